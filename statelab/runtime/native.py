@@ -1,0 +1,146 @@
+"""Loading llama_cpp (the patched native build) and the ggml pieces it does not bind.
+
+This package is the only place in statelab that imports llama_cpp.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..errors import ConfigError, NativeBuildError
+
+BACKENDS = ("cpu", "cuda", "vulkan")
+IDENTITY_FILE = "statelab_build.json"
+INSTALL_HINT = "run ./install.sh (or: python native/build.py --backend cpu) to build it"
+
+
+def prepare_backend(backend: str) -> None:
+    """Set what must be set before ggml registers its backends.
+
+    llama.cpp ignores CPU-type Vulkan devices (lavapipe) unless GGML_VK_VISIBLE_DEVICES
+    names them; the variable is read once, when the Vulkan backend registers.
+    """
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "vulkan":
+        os.environ.setdefault("GGML_VK_VISIBLE_DEVICES", "0")
+
+
+@lru_cache(maxsize=1)
+def llama():
+    """The llama_cpp module, with the backend initialised once per process."""
+    try:
+        mod = importlib.import_module("llama_cpp")
+    except ImportError as e:
+        raise NativeBuildError(f"the native build (llama_cpp) is not installed: {e}; {INSTALL_HINT}") from None
+    except (OSError, RuntimeError, FileNotFoundError) as e:
+        raise NativeBuildError(f"the native library failed to load: {e}; {INSTALL_HINT}") from None
+    mod.llama_backend_init()
+    mod.llama_log_set(_LOG_CB, None)
+    return mod
+
+
+# llama.cpp logs go nowhere unless STATELAB_NATIVE_LOG is set (errors still surface as exceptions).
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+def _LOG_CB(level, text, user_data):  # pragma: no cover - called from C
+    if os.environ.get("STATELAB_NATIVE_LOG"):
+        os.write(2, text or b"")
+
+
+def lib():
+    """The ctypes CDLL of libllama."""
+    return llama().llama_cpp._lib
+
+
+@lru_cache(maxsize=1)
+def ggml_lib():
+    """libggml (backend registry, tensor access) as loaded by llama_cpp."""
+    llama()
+    mod = importlib.import_module("llama_cpp._ggml")
+    g = mod.libggml
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    sigs = {
+        "ggml_backend_dev_count": ([], sz),
+        "ggml_backend_dev_get": ([sz], vp),
+        "ggml_backend_dev_name": ([vp], ctypes.c_char_p),
+        "ggml_backend_dev_description": ([vp], ctypes.c_char_p),
+        "ggml_backend_dev_type": ([vp], ctypes.c_int),
+        "ggml_backend_dev_memory": ([vp, ctypes.POINTER(sz), ctypes.POINTER(sz)], None),
+        "ggml_backend_dev_backend_reg": ([vp], vp),
+        "ggml_backend_reg_name": ([vp], ctypes.c_char_p),
+        "ggml_backend_dev_supports_op": ([vp, vp], ctypes.c_bool),
+        "ggml_backend_tensor_get": ([vp, vp, sz, sz], None),
+        "ggml_nbytes": ([vp], sz),
+        "ggml_op_name": ([ctypes.c_int], ctypes.c_char_p),
+        "ggml_op_desc": ([vp], ctypes.c_char_p),
+        "ggml_type_name": ([ctypes.c_int], ctypes.c_char_p),
+    }
+    for name, (args, res) in sigs.items():
+        fn = getattr(g, name)
+        fn.argtypes = args
+        fn.restype = res
+    return g
+
+
+DEV_TYPES = {0: "CPU", 1: "GPU", 2: "IGPU", 3: "ACCEL", 4: "META"}
+
+
+@dataclass(frozen=True)
+class Device:
+    index: int
+    name: str
+    description: str
+    type: str
+    registry: str
+    memory_free: int
+    memory_total: int
+    handle: int
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "handle"}
+
+
+def list_devices() -> list[Device]:
+    g = ggml_lib()
+    out = []
+    for i in range(g.ggml_backend_dev_count()):
+        d = g.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        g.ggml_backend_dev_memory(d, ctypes.byref(free), ctypes.byref(total))
+        reg = g.ggml_backend_dev_backend_reg(d)
+        out.append(Device(i, g.ggml_backend_dev_name(d).decode(), g.ggml_backend_dev_description(d).decode(),
+                          DEV_TYPES.get(g.ggml_backend_dev_type(d), "?"),
+                          g.ggml_backend_reg_name(reg).decode() if reg else "?",
+                          free.value, total.value, d))
+    return out
+
+
+def devices_for_backend(backend: str) -> list[Device]:
+    """Devices of a backend: 'cpu' has none (the CPU backend is always present)."""
+    if backend == "cpu":
+        return []
+    want = {"cuda": "CUDA", "vulkan": "Vulkan"}[backend]
+    found = [d for d in list_devices() if d.registry.lower() == want.lower()]
+    if not found:
+        have = ", ".join(f"{d.registry}:{d.name}" for d in list_devices()) or "none"
+        raise ConfigError(f"backend {backend!r} has no device in this build/machine (devices: {have})")
+    return found
+
+
+def build_identity() -> dict:
+    """The identity native/build.py wrote into the installed llama_cpp package."""
+    mod = llama()
+    path = os.path.join(os.path.dirname(mod.__file__), IDENTITY_FILE)
+    try:
+        with open(path) as f:
+            ident = json.load(f)
+    except OSError:
+        raise NativeBuildError(f"llama_cpp is installed but has no statelab build identity ({path}); "
+                               f"it was not built by native/build.py; {INSTALL_HINT}") from None
+    ident["llama_cpp_python"] = getattr(mod, "__version__", "?")
+    ident["system_info"] = mod.llama_print_system_info().decode(errors="replace").strip()
+    return ident
