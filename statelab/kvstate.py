@@ -206,18 +206,15 @@ def _parse(buf: memoryview, ext_size: int) -> "KVState":
             f"only {r.n - r.off} remain"
         )
     positions, seq_ids, _ext = _parse_meta(r, n_cells, ext_size, header_seq)
-    if header_seq >= 0:
-        ids = np.concatenate(seq_ids) if seq_ids else np.zeros(0, np.int32)
-        bad = np.flatnonzero(ids != header_seq)
-        if bad.size:
-            raise KVFormatError(
-                f"cell {int(bad[0])} belongs to sequence {int(ids[bad[0]])}, but the blob header is for sequence "
-                f"{header_seq} (unexpected cell layout)"
-            )
-    else:
-        neg = [i for i, s in enumerate(seq_ids) if np.any(s < 0)] if seq_ids else []
-        if neg:
-            raise KVFormatError(f"cell {neg[0]} lists a negative sequence id")
+    ids = np.concatenate(seq_ids)
+    cell_of_id = np.repeat(np.arange(n_cells), [len(s) for s in seq_ids])
+    bad = np.flatnonzero(ids != header_seq) if header_seq >= 0 else np.flatnonzero(ids < 0)
+    if bad.size:
+        expect = f"the blob header is for sequence {header_seq}" if header_seq >= 0 else "ids must be >= 0"
+        raise KVFormatError(
+            f"cell {int(cell_of_id[bad[0]])} lists sequence id {int(ids[bad[0]])}, but {expect} "
+            "(unexpected cell layout)"
+        )
     off_vt = r.off
     v_trans = r.scalar("<I", "v_trans")
     if v_trans not in (0, 1):
