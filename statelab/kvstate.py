@@ -61,6 +61,7 @@ __all__ = [
     "KVState",
     "StateDiff",
     "build_blob",
+    "check_same_geometry",
     "compare",
     "make_state",
 ]
@@ -663,18 +664,18 @@ def compare(a: KVState, b: KVState, reference: KVState | None = None) -> StateDi
             xb = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("<")).view(uview)
             yb = np.ascontiguousarray(y, dtype=y.dtype.newbyteorder("<")).view(uview)
             diff_bits = xb != yb
-            changed_bytes = int(np.count_nonzero(xb.view(np.uint8) != yb.view(np.uint8)))
             changed_values = int(np.count_nonzero(diff_bits))
+            changed_bytes = int(np.count_nonzero(xb.view(np.uint8) != yb.view(np.uint8))) if changed_values else 0
             if changed_values:
                 with np.errstate(invalid="ignore", over="ignore"):
-                    d = _as_f64(x[diff_bits]) - _as_f64(y[diff_bits])
+                    # only values whose stored bits differ count (identical NaNs / infs give 0)
+                    d = np.where(diff_bits, _as_f64(x) - _as_f64(y), 0.0)
                     max_abs = float(np.max(np.abs(d)))
-                    l2 = float(np.sqrt(np.dot(d, d)))
+                    l2 = float(np.sqrt(np.sum(np.square(d))))
             else:
                 max_abs, l2 = 0.0, 0.0
-            rf = _as_f64(r).ravel()
             with np.errstate(over="ignore", invalid="ignore"):
-                ref_l2 = float(np.sqrt(np.dot(rf, rf)))
+                ref_l2 = float(np.sqrt(np.sum(np.square(_as_f64(r)))))
             comps[f"L{il}.{comp}"] = ComponentDiff(
                 layer=il, component=comp, n_values=int(x.size), nbytes=int(x.nbytes),
                 changed_bytes=changed_bytes, changed_values=changed_values, max_abs=max_abs,

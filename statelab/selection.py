@@ -429,6 +429,8 @@ class Selection:
 def _eval(selector: Selector, state: KVState) -> tuple[list[np.ndarray], list[np.ndarray]]:
     k = [np.zeros(a.shape, dtype=bool) for a in state.k]
     v = [np.zeros(a.shape, dtype=bool) for a in state.v]
+    if not state.n_layer:  # empty state: nothing to select
+        return k, v
     for term in selector.terms:
         lm = term.layer_mask(state.n_layer)
         cm = term.cell_mask(state.positions)
@@ -438,10 +440,10 @@ def _eval(selector: Selector, state: KVState) -> tuple[list[np.ndarray], list[np
         for il in np.flatnonzero(lm):
             if "K" in term.component:
                 t = np.broadcast_to(k_cells, k[il].shape)
-                k[il] |= t & base[0][il] if base is not None else t
+                k[il] |= (t & base[0][il]) if base is not None else t
             if "V" in term.component:
                 t = np.broadcast_to(v_cells, v[il].shape)
-                v[il] |= t & base[1][il] if base is not None else t
+                v[il] |= (t & base[1][il]) if base is not None else t
     return k, v
 
 

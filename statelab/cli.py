@@ -1,0 +1,311 @@
+"""statelab command line (typer + rich). Thin: parse, call the library, print."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import StatelabError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="KV-state formation, intervention and transplantation on llama.cpp.")
+console = Console()
+err = Console(stderr=True)
+
+ModelOpt = typer.Option(None, "--model", "-m", help="GGUF model file (default: the embedded SmolLM2-135M-Instruct)")
+BackendOpt = typer.Option("cpu", "--backend", "-b", help="cpu, cuda or vulkan")
+CapOpt = typer.Option(128, "--cap", help="output cap (generated tokens)")
+ThreadsOpt = typer.Option(0, "--threads", help="CPU threads (0: all cores)")
+CtxOpt = typer.Option(1024, "--n-ctx", help="context size")
+
+
+def _setup(model_path, backend: str, threads: int = 0, n_ctx: int = 1024):
+    from .runtime import ContextConfig, Model, prepare_backend
+
+    prepare_backend(backend)
+    model = Model(model_path, backend=backend)
+    return model, ContextConfig(backend=backend, n_threads=threads, n_ctx=n_ctx)
+
+
+def _prompt(prompt: Optional[str], humaneval: Optional[str], prompt_file: Optional[Path]):
+    from . import prompts
+    from .errors import ConfigError
+
+    given = [x is not None for x in (prompt, humaneval, prompt_file)]
+    if sum(given) != 1:
+        raise ConfigError("give exactly one of --prompt, --humaneval, --prompt-file")
+    if prompt is not None:
+        return prompts.resolve("text:" + prompt)
+    if humaneval is not None:
+        return prompts.humaneval(humaneval)
+    return prompts.from_file(prompt_file)
+
+
+PromptOpt = typer.Option(None, "--prompt", "-p", help="prompt text")
+HumanEvalOpt = typer.Option(None, "--humaneval", "-H", help="HumanEval id, e.g. HumanEval/12 or 12")
+PromptFileOpt = typer.Option(None, "--prompt-file", help="a UTF-8 text file used verbatim")
+
+
+@app.command()
+def doctor(model: Optional[Path] = ModelOpt, backend: str = typer.Option(None, "--backend", "-b",
+           help="also load the model on this backend")):
+    """Build identity, backends and devices, and the model's metadata."""
+    from .models import read_model_info
+    from .runtime import build_identity, list_devices, prepare_backend
+
+    if backend:
+        prepare_backend(backend)
+    ident = build_identity()
+    t = Table(title="native build", show_header=False)
+    for k in ("backend", "build_key", "sdist", "sdist_sha256", "patches", "patch_series_sha256", "compiler",
+              "llama_cpp_python"):
+        t.add_row(k, str(ident.get(k)))
+    console.print(t)
+    d = Table(title="devices")
+    for c in ("index", "registry", "name", "type", "description", "memory_total"):
+        d.add_column(c)
+    for dev in list_devices():
+        d.add_row(str(dev.index), dev.registry, dev.name, dev.type, dev.description, f"{dev.memory_total / 2**30:.1f} GiB")
+    console.print(d)
+    info = read_model_info(model)
+    m = Table(title="model", show_header=False)
+    for k, v in info.as_dict().items():
+        m.add_row(k, str(v))
+    console.print(m)
+    if backend:
+        from .runtime import Model
+
+        Model(model, backend=backend).close()
+        console.print(f"[green]model loads on {backend}[/green]")
+
+
+@app.command()
+def generate(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEvalOpt,
+             prompt_file: Optional[Path] = PromptFileOpt, model: Optional[Path] = ModelOpt,
+             backend: str = BackendOpt, schedule: str = typer.Option("A", help="prefill schedule"),
+             cap: int = CapOpt, threads: int = ThreadsOpt, n_ctx: int = CtxOpt,
+             json_out: bool = typer.Option(False, "--json", help="print the endpoint as JSON")):
+    """Greedy continuation of a prompt."""
+    from .formation import parse_schedule
+    from .intervene import natural
+    from .receiver import check_cap
+
+    check_cap(cap)
+    p = _prompt(prompt, humaneval, prompt_file)
+    m, base = _setup(model, backend, threads, n_ctx)
+    t0 = time.perf_counter()
+    capture, ep = natural(m, p, parse_schedule(schedule), base, cap)
+    dt = time.perf_counter() - t0
+    if json_out:
+        console.print_json(json.dumps({"prompt": p.id, "n_prompt": capture.n_prompt, **ep.as_dict()}))
+        return
+    console.print(f"[bold]{p.id}[/bold] ({capture.n_prompt} prompt tokens, schedule {schedule}, {backend})")
+    console.print(m.detokenize(ep.tokens), markup=False, highlight=False)
+    console.print(f"[dim]{ep.length} tokens, stop: {ep.stop_reason}, {ep.length / dt:.1f} tokens/s "
+                  f"(prefill included)[/dim]")
+
+
+def _capture_dir(path: Path):
+    from .archive import load_capture
+
+    return load_capture(path)
+
+
+@app.command()
+def capture(out: Path = typer.Argument(..., help="output folder (must not exist)"),
+            prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEvalOpt,
+            prompt_file: Optional[Path] = PromptFileOpt, schedule: str = typer.Option("A", "--schedule", "-s",
+            help="A, B, C, R or explicit like 132+1, 128+rest@ub64, ub16"),
+            model: Optional[Path] = ModelOpt, backend: str = BackendOpt, threads: int = ThreadsOpt,
+            n_ctx: int = CtxOpt, overwrite: bool = typer.Option(False, help="replace an existing folder")):
+    """Form a state with a prefill schedule and archive it (KV, initial FP32 logits, identities)."""
+    from .archive import save_capture
+    from .formation import form, parse_schedule
+
+    sched = parse_schedule(schedule)
+    p = _prompt(prompt, humaneval, prompt_file)
+    m, base = _setup(model, backend, threads, n_ctx)
+    cap_ = form(m, p, sched, base)
+    save_capture(cap_, out, overwrite=overwrite)
+    h = cap_.hashes()
+    console.print(f"captured {p.id} ({cap_.n_prompt} tokens, {sched.describe()}) -> {out}\n"
+                  f"kv {h['kv'][:16]}  logits {h['logits'][:16]}")
+
+
+def _print_endpoint(m, ep, label: str, json_out: bool):
+    if json_out:
+        console.print_json(json.dumps({"label": label, **ep.as_dict()}))
+        return
+    console.print(f"[bold]{label}[/bold]: {ep.length} tokens, stop {ep.stop_reason}")
+    console.print(m.detokenize(ep.tokens), markup=False, highlight=False)
+
+
+JsonOpt = typer.Option(False, "--json", help="print the endpoint as JSON")
+
+
+@app.command("continue")
+def continue_(capture_dir: Path = typer.Argument(..., help="a capture folder"), cap: int = CapOpt,
+              model: Optional[Path] = ModelOpt, backend: Optional[str] = typer.Option(
+                  None, "--backend", "-b", help="recipient backend (default: the capture's)"),
+              allow_backend: bool = typer.Option(False, "--allow-backend", help="allow another backend"),
+              json_out: bool = JsonOpt):
+    """Continue greedily from a capture through the common receiver."""
+    from .archive import check_importable
+    from .intervene import config_of, import_and_continue
+    from .receiver import check_cap
+
+    check_cap(cap)
+    c = _capture_dir(capture_dir)
+    cfg = config_of(c)
+    if backend:
+        cfg = cfg.with_(backend=backend)
+    m, _ = _setup(model, cfg.backend)
+    check_importable(c, m, cfg, allow_backend)
+    ep = import_and_continue(m, cfg, c.blob, c.logits, c.n_prompt, cap)
+    _print_endpoint(m, ep, f"{c.prompt_id} [{c.schedule.name}] via receiver on {cfg.backend}", json_out)
+
+
+@app.command("sham")
+def sham_(capture_dir: Path = typer.Argument(...), cap: int = CapOpt, model: Optional[Path] = ModelOpt,
+          json_out: bool = JsonOpt):
+    """Restore a capture into its own path and compare with its natural endpoint."""
+    from .analysis import first_difference
+    from .formation import Schedule, form  # noqa: F401
+    from .intervene import config_of, sham
+    from .receiver import check_cap, continue_greedy
+    from .runtime import Context
+
+    check_cap(cap)
+    c = _capture_dir(capture_dir)
+    cfg = config_of(c)
+    m, _ = _setup(model, cfg.backend)
+    s = sham(m, c, cap)
+    with Context(m, cfg) as ctx:  # natural: re-form with the same schedule and continue in place
+        from .formation import prefill
+
+        logits = prefill(ctx, c.tokens, c.schedule)
+        nat = continue_greedy(ctx, logits, c.n_prompt, cap)
+    fd = first_difference(nat.tokens, s.tokens)
+    _print_endpoint(m, s, f"sham {c.prompt_id} [{c.schedule.name}]", json_out)
+    if not json_out:
+        console.print("[green]sham equals the natural endpoint[/green]" if fd is None else
+                      f"[red]FAILED CONTROL: sham differs from natural at output {fd}[/red]")
+    if fd is not None:
+        raise typer.Exit(1)
+
+
+@app.command("cross")
+def cross_(donor: Path = typer.Argument(..., help="donor capture"),
+           recipient: Path = typer.Argument(..., help="recipient capture"), cap: int = CapOpt,
+           logits_from: str = typer.Option("recipient", help="whose initial logits are consumed"),
+           allow_backend: bool = typer.Option(False, "--allow-backend", help="allow a cross-backend transplant"),
+           model: Optional[Path] = ModelOpt, json_out: bool = JsonOpt):
+    """Whole-KV cross: the donor's KV imported into the recipient's path."""
+    from .intervene import config_of, cross
+
+    d, r = _capture_dir(donor), _capture_dir(recipient)
+    m, _ = _setup(model, config_of(r).backend)
+    ep, acc = cross(m, d, r, logits_from, cap, allow_other_backend=allow_backend)
+    _print_endpoint(m, ep, f"cross {d.schedule.name}->{r.schedule.name} ({d.prompt_id})", json_out)
+    if not json_out:
+        console.print(f"selected {acc.selected_bytes} B, changed {acc.changed_bytes} B, max|d| {acc.max_abs:.6g}, "
+                      f"L2 rel {acc.l2_rel:.3g}, first differing layer {acc.first_differing_layer}")
+
+
+@app.command()
+def diff(a: Path = typer.Argument(..., help="capture A"), b: Path = typer.Argument(..., help="capture B")):
+    """Per-layer table of differences between two captures' KV states."""
+    from .kvstate import compare
+
+    ca, cb = _capture_dir(a), _capture_dir(b)
+    d = compare(ca.state, cb.state)
+    t = Table(title=f"{ca.schedule.name} vs {cb.schedule.name} ({ca.prompt_id})")
+    for col in ("layer", "comp", "changed bytes", "max |d|", "L2", "L2 rel"):
+        t.add_column(col, justify="right")
+    for r in d.records():
+        t.add_row(str(r["layer"]), r["component"], str(r["changed_bytes"]), f"{r['max_abs']:.6g}",
+                  f"{r['l2']:.6g}", f"{r['l2_rel']:.3g}")
+    console.print(t)
+    same_logits = ca.logits.tobytes() == cb.logits.tobytes()
+    console.print(f"identical KV: {d.identical}; first differing layer: {d.first_differing_layer}; "
+                  f"initial logits identical: {same_logits}"
+                  + ("" if same_logits else f" (max |d| {float(abs(ca.logits - cb.logits).max()):.6g})"))
+
+
+@app.command()
+def sweep(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEvalOpt,
+          prompt_file: Optional[Path] = PromptFileOpt, schedules: Optional[str] = typer.Option(
+              None, "--schedules", help="comma list (default: A then the partition sweep)"),
+          cap: int = CapOpt, model: Optional[Path] = ModelOpt, backend: str = BackendOpt,
+          threads: int = ThreadsOpt, n_ctx: int = CtxOpt,
+          json_out: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON")):
+    """Partition sweep of one prompt: endpoints, first difference from the first schedule, classes."""
+    from rich.progress import Progress
+
+    from .formation import PRESETS, parse_schedule, partition_sweep
+    from .partition import sweep as run_sweep
+    from .paths import atomic_write_text
+    from .receiver import check_cap
+
+    check_cap(cap)
+    p = _prompt(prompt, humaneval, prompt_file)
+    m, base = _setup(model, backend, threads, n_ctx)
+    if schedules:
+        scheds = [parse_schedule(s) for s in schedules.split(",")]
+    else:
+        scheds = [PRESETS["A"]] + partition_sweep(len(m.tokenize(p.text)))
+    with Progress(console=console, transient=True) as prog:
+        task = prog.add_task("schedules", total=len(scheds))
+        res = run_sweep(m, p, scheds, base, cap, progress=lambda: prog.advance(task))
+    t = Table(title=f"partition sweep {p.id} ({res['rows'][0]['n_prompt']} tokens, cap {cap}, {backend})")
+    for col in ("schedule", "kv", "logits", "len", "stop", "first diff"):
+        t.add_column(col)
+    for r in res["rows"]:
+        t.add_row(r["describe"], r["kv_sha256"], r["logits_sha256"], str(r["length"]), r["stop"],
+                  "=" if r["first_diff"] is None else str(r["first_diff"]))
+    console.print(t)
+    console.print("endpoint classes: " + " | ".join(", ".join(c) for c in res["endpoint_classes"]))
+    console.print("state classes:    " + " | ".join(", ".join(c) for c in res["state_classes"]))
+    if json_out:
+        atomic_write_text(json_out, json.dumps(res, indent=2))
+
+
+@app.command()
+def demo(model: Optional[Path] = ModelOpt, backend: str = BackendOpt, cap: int = CapOpt,
+         tasks: str = typer.Option("HumanEval/0,HumanEval/2,HumanEval/10", help="comma list of prompts"),
+         threads: int = ThreadsOpt, out: Path = typer.Option(Path("runs/demo"), help="report folder")):
+    """The main job: a partition study on a few HumanEval prompts (natural arms, shams,
+    whole-KV crosses both ways) with arms that differ on this backend."""
+    from . import demo as demo_mod
+
+    demo_mod.run(console, model, backend, cap, tasks.split(","), threads, out)
+
+
+def main():
+    try:
+        app(standalone_mode=False)
+    except StatelabError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
+    except (typer.Abort, KeyboardInterrupt):
+        err.print("aborted")
+        sys.exit(130)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except Exception as e:  # click usage errors
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Partition studies: natural endpoints of several schedules, shams, whole-KV crosses,
+and partition sweeps with equivalence classes (paper 6.1, S4)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .analysis import first_difference, trajectory_classes
+from .formation import Schedule
+from .intervene import cross, natural, sham
+from .receiver import DEFAULT_CAP
+
+
+@dataclass
+class PromptResult:
+    prompt_id: str
+    n_prompt: int
+    captures: dict = field(default_factory=dict)  # arm -> Capture
+    natural: dict = field(default_factory=dict)  # arm -> Endpoint
+    sham: dict = field(default_factory=dict)  # arm -> Endpoint
+    crosses: dict = field(default_factory=dict)  # (donor, recipient) -> (Endpoint, ImportAccount)
+
+    @property
+    def controls_pass(self) -> bool:
+        return all(self.sham[a].same(self.natural[a]) for a in self.sham)
+
+    def rows(self) -> list[dict]:
+        """One summary row per arm pair (first arm as reference)."""
+        from .kvstate import compare
+
+        arms = list(self.natural)
+        ref = arms[0]
+        out = []
+        for arm in arms[1:]:
+            d = compare(self.captures[ref].state, self.captures[arm].state)
+            row = {
+                "prompt": self.prompt_id, "n_prompt": self.n_prompt, "pair": f"{ref}/{arm}",
+                "logits_equal": self.captures[ref].logits.tobytes() == self.captures[arm].logits.tobytes(),
+                "kv_equal": d.identical, "kv_max_abs": d.max_abs, "kv_l2_rel": d.l2_rel,
+                "first_diff": first_difference(self.natural[ref].tokens, self.natural[arm].tokens),
+                "shams_ok": self.controls_pass,
+            }
+            for (donor, recip), (ep, _acc) in self.crosses.items():
+                if {donor, recip} == {ref, arm}:
+                    row[f"cross {donor}->{recip}"] = cross_label(ep, self.natural[donor], self.natural[recip])
+            out.append(row)
+        return out
+
+
+def cross_label(result, donor, recipient) -> str:
+    from .analysis import endpoint_class
+
+    return endpoint_class(result.tokens, donor.tokens, recipient.tokens)
+
+
+def study_prompt(model, prompt, arms: dict[str, Schedule], base, cap: int = DEFAULT_CAP, crosses: bool = True,
+                 progress=None) -> PromptResult:
+    """Natural endpoints of every arm, own-path shams, and whole-KV crosses both ways
+    between the first arm and each other arm (only when the shams pass)."""
+    res = PromptResult(prompt.id, 0)
+    for name, sched in arms.items():
+        cap_, ep = natural(model, prompt, sched, base, cap)
+        res.captures[name], res.natural[name] = cap_, ep
+        res.n_prompt = cap_.n_prompt
+        if progress:
+            progress()
+    for name in arms:
+        res.sham[name] = sham(model, res.captures[name], cap)
+        if progress:
+            progress()
+    if crosses and res.controls_pass:
+        names = list(arms)
+        for other in names[1:]:
+            for donor, recip in ((names[0], other), (other, names[0])):
+                res.crosses[(donor, recip)] = cross(model, res.captures[donor], res.captures[recip], cap=cap)
+                if progress:
+                    progress()
+    return res
+
+
+def sweep(model, prompt, schedules: list[Schedule], base, cap: int = DEFAULT_CAP, progress=None) -> dict:
+    """Every schedule's endpoint, first difference from the first schedule, and equivalence
+    classes of identical endpoints and of identical states (KV + logits)."""
+    rows, endpoints, states = [], {}, {}
+    ref = None
+    for s in schedules:
+        capture, ep = natural(model, prompt, s, base, cap)
+        h = capture.hashes()
+        endpoints[s.name] = tuple(ep.tokens.tolist()) + (ep.eog,)
+        states[s.name] = (h["kv"], h["logits"])
+        if ref is None:
+            ref = ep
+        rows.append({"schedule": s.name, "describe": s.describe(), "n_prompt": capture.n_prompt,
+                     "kv_sha256": h["kv"][:16], "logits_sha256": h["logits"][:16], "length": ep.length,
+                     "first_diff": first_difference(ref.tokens, ep.tokens), "stop": ep.stop_reason})
+        if progress:
+            progress()
+    return {"prompt": prompt.id, "rows": rows, "endpoint_classes": trajectory_classes(endpoints),
+            "state_classes": trajectory_classes(states)}

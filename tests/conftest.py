@@ -1,0 +1,47 @@
+"""Shared fixtures: the real embedded model on CPU (session-scoped), HumanEval prompts."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STATELAB = [sys.executable, "-m", "statelab.cli"]
+
+
+@pytest.fixture(scope="session")
+def model():
+    from statelab.runtime import Model
+
+    m = Model(None, backend="cpu")
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="session")
+def base_config():
+    from statelab.runtime import ContextConfig
+
+    return ContextConfig(backend="cpu", n_ctx=1024)
+
+
+@pytest.fixture(scope="session")
+def he():
+    from statelab import prompts
+
+    return prompts.humaneval
+
+
+def run_cli(*args, env=None, timeout=600):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run(STATELAB + [str(a) for a in args], capture_output=True, text=True, env=e,
+                          timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture
+def cli():
+    return run_cli
