@@ -21,7 +21,7 @@ if [ -z "$backend" ]; then
   backend=cpu
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     need=""
-    for p in mesa-vulkan-drivers libvulkan-dev glslc; do
+    for p in mesa-vulkan-drivers libvulkan-dev glslc spirv-headers; do
       dpkg -s "$p" >/dev/null 2>&1 || need="$need $p"
     done
     if [ -n "$need" ]; then
@@ -30,7 +30,7 @@ if [ -z "$backend" ]; then
         || echo "[install] could not install$need; building the CPU variant only"
     fi
   fi
-  if command -v glslc >/dev/null 2>&1 && [ -e /usr/include/vulkan/vulkan.h ]; then
+  if command -v glslc >/dev/null 2>&1 && [ -e /usr/include/vulkan/vulkan.h ] && [ -d /usr/include/spirv ]; then
     backend=vulkan
   else
     echo "[install] no Vulkan headers/glslc: building the CPU variant (Vulkan tests will be skipped)"

@@ -237,7 +237,10 @@ def non_monotone_pairs(lattice: nx.DiGraph, outcomes: Mapping[Hashable, str],
         for large in nx.descendants(lattice, small):
             if large in outcomes and outcomes[large] != reproduces:
                 pairs.append((small, large))
-    return sorted(pairs, key=lambda p: (repr(p[0]), repr(p[1])))
+    try:
+        return sorted(pairs)
+    except TypeError:
+        return sorted(pairs, key=repr)
 
 
 # --------------------------------------------------------------------------------------

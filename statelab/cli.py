@@ -287,6 +287,63 @@ def demo(model: Optional[Path] = ModelOpt, backend: str = BackendOpt, cap: int =
     demo_mod.run(console, model, backend, cap, tasks.split(","), threads, out)
 
 
+# ---------------------------------------------------------------------------- study
+study_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                        help="Selector-matrix studies: spec -> cells in fresh processes -> results.nc + report.md.")
+app.add_typer(study_app, name="study")
+
+
+@study_app.command("run")
+def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)"),
+              out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder (default runs/studies/NAME)"),
+              executor: str = typer.Option("local", "--executor", "-e", help="local, dask-local or dask://HOST:PORT"),
+              workers: int = typer.Option(2, "--workers", "-w", help="cells running at once")):
+    """Run (or resume) a study: controls per prompt, then every cell in a fresh process."""
+    from .study import run_study
+    from .study.progress import RichReporter
+
+    s = run_study(spec, out, executor, workers, RichReporter(err))
+    console.print(f"{'resumed' if s.resumed else 'ran'} {s.out}: {s.ran} cells run ({s.failed} failed), "
+                  f"{s.skipped} already done, {s.withheld} withheld, {s.seconds:.0f} s"
+                  + (f", {s.cells_per_minute:.1f} cells/min" if s.ran else ""))
+    console.print(f"report: {s.report}\nresults: {s.results}")
+    if s.failed:
+        raise typer.Exit(1)
+
+
+@study_app.command("report")
+def study_report(out: Path = typer.Argument(..., help="a study output folder")):
+    """Recompile results.nc and report.md from cells.jsonl (no model needed)."""
+    from .study import compile_study
+
+    ds, _ = compile_study(out)
+    n_ok = int((ds.status.values == "ok").sum())
+    console.print(f"{n_ok} of {ds.status.size} cells done -> {out / 'report.md'}, {out / 'results.nc'}")
+
+
+@study_app.command("minimal")
+def study_minimal(spec: Path = typer.Argument(..., help="study spec"),
+                  prompt: str = typer.Option(..., "--prompt", "-p", help="one of the study's prompts"),
+                  direction: str = typer.Option(..., "--direction", "-d", help="e.g. A->R"),
+                  out: Optional[Path] = typer.Option(None, "--out", "-o", help="reuse this study folder's captures"),
+                  json_out: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON")):
+    """Search a small sufficient selection (layers, then positions) reproducing the donor."""
+    from .paths import atomic_write_text
+    from .study import minimal_selection
+
+    res = minimal_selection(spec, prompt, direction, out,
+                            progress=lambda t: err.print(f"[dim]layers {t['layers']} positions {t['positions']}: "
+                                                         f"{t['klass']}[/dim]", highlight=False))
+    if res["found"]:
+        console.print(f"{res['prompt']} {res['direction']}: layers {res['layers']} positions "
+                      f"[{res['positions'][0]}, {res['positions'][1]}) reproduce the donor; "
+                      f"{res['selected_bytes']} bytes ({res['share']:.3%}), {res['evaluations']} evaluations")
+    else:
+        console.print(f"{res['prompt']} {res['direction']}: even ALL does not reproduce the donor endpoint")
+    if json_out:
+        atomic_write_text(json_out, json.dumps(res, indent=2))
+
+
 def main():
     try:
         app(standalone_mode=False)

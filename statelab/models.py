@@ -94,10 +94,35 @@ class ModelInfo:
 
 
 def read_model_info(path: str | os.PathLike | None = None) -> ModelInfo:
-    """Architecture and attention geometry from the GGUF header."""
+    """Architecture and attention geometry from the GGUF header, cached by (path, size,
+    mtime) under the user cache like the file hash: parsing the header with `gguf` walks the
+    whole vocabulary (seconds), which every fresh worker process would otherwise repeat."""
+    p = resolve_model(path)
+    st = p.stat()
+    key = f"{p}|{st.st_size}|{st.st_mtime_ns}"
+    cache = cache_dir() / "model-info.json"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    hit = known.get(key)
+    if isinstance(hit, dict):
+        try:
+            return ModelInfo(**hit)
+        except TypeError:  # written by another version of ModelInfo: read the header again
+            pass
+    info = _read_header(p)
+    known[key] = info.as_dict()
+    try:
+        atomic_write_text(cache, json.dumps(known, indent=1, sort_keys=True))
+    except OSError:
+        pass
+    return info
+
+
+def _read_header(p: Path) -> ModelInfo:
     from gguf import GGUFReader
 
-    p = resolve_model(path)
     try:
         reader = GGUFReader(str(p), "r")
     except Exception as e:  # gguf raises ValueError/struct errors on damaged files

@@ -64,8 +64,8 @@ def l0_traces(repeats=(0, 1), model="m" * 64, prompt="p" * 64, rows=None, overri
     return out
 
 
-def l0_panel(**kw):
-    return analyse_panel("T1", "A", "L0", "B->A", l0_traces(**kw.pop("trace_kw", {})), positions=[0, 1, 2], **kw)
+def l0_panel():
+    return analyse_panel("T1", "A", "L0", "B->A", l0_traces(), positions=[0, 1, 2])
 
 
 def at(ds, var, **sel):

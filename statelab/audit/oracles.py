@@ -43,6 +43,7 @@ Three oracles:
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import zlib
@@ -246,6 +247,7 @@ class NativeTensors:
     scale: float  # kq_scale as stored in the op params (a float32 value)
 
 
+@functools.lru_cache(maxsize=64)
 def _native(fx: Fixture) -> NativeTensors:
     d, q, hq, hkv, n, dv, kvs = fx.d, fx.q, fx.h_q, fx.h_kv, fx.n_kv, fx.d_v, fx.kv_size
     if fx.q_storage == "compact":
@@ -458,7 +460,7 @@ class _Collector:
         if obligation not in self.first:
             self.first[obligation] = Violation(obligation, {k: int(v) for k, v in coordinate.items()}, detail)
 
-    def compare(self, obligation, got, expected, names, grids, ci):
+    def compare(self, obligation, got, expected, names, grids, ci, what="address"):
         """Record the first coordinate (C order) where got != expected."""
         got, expected = np.broadcast_arrays(got, expected)
         bad = got != expected
@@ -467,7 +469,7 @@ class _Collector:
             coord = {"call": ci}
             for nm, g in zip(names, grids):
                 coord[nm] = np.broadcast_to(g, bad.shape)[idx]
-            self.fail(obligation, coord, f"address {int(got[idx])} != expected {int(expected[idx])}")
+            self.fail(obligation, coord, f"{what} {int(got[idx])} != expected {int(expected[idx])}")
             return False
         return True
 
@@ -615,7 +617,7 @@ def check_qb_addressing(fixture: Fixture, layout: _LayoutBase | None = None) -> 
         vv = np.arange(dv)[:, None, None, None]
         pos = _recombined_position(call, dv)
         exp_pos = vv + dv * la + dv * HQ * lj
-        col.compare("output_order", pos, exp_pos, ("v", "j", "a"), (vv, lj, la), ci)
+        col.compare("output_order", pos, exp_pos, ("v", "j", "a"), (vv, lj, la), ci, "output element")
         out_pos.append(np.broadcast_to(pos, (dv, N, H, B)).ravel())
 
     # aggregate obligations over all calls
@@ -712,6 +714,20 @@ class FixtureData:
     expected: dict = field(repr=False)  # stage -> exact expected array (structured patterns)
 
 
+@functools.lru_cache(maxsize=8)
+def _native_element_index(fx: Fixture) -> dict[str, np.ndarray]:
+    """Element indices at which the native descriptors store the logical arrays
+    q (d, q, h_Q), k (d, n_kv, h_KV), v (n_kv, d_v, h_KV) and mask (n_kv, q_pad)."""
+    nat = fx.native()
+    ar = np.arange
+    return {
+        "q": nat.q.addr(ar(fx.d)[:, None, None], ar(fx.q)[None, :, None], ar(fx.h_q)[None, None, :]) // F32,
+        "k": nat.k.addr(ar(fx.d)[:, None, None], ar(fx.n_kv)[None, :, None], ar(fx.h_kv)[None, None, :]) // F16,
+        "v": nat.v.addr(ar(fx.n_kv)[:, None, None], ar(fx.d_v)[None, :, None], ar(fx.h_kv)[None, None, :]) // F16,
+        "mask": nat.mask.addr(ar(fx.n_kv)[:, None], ar(fx.q_pad)[None, :]) // F32,
+    }
+
+
 def _fill_buffer(span: int, dtype) -> np.ndarray:
     buf = np.zeros(span, dtype=np.uint8)
     buf.view(dtype)[:] = np.nan
@@ -740,9 +756,9 @@ def make_data(fixture: Fixture, pattern: str = "random", seed: int = 0) -> Fixtu
     expected: dict[str, np.ndarray] = {}
     kappa = np.arange(HQ) // fx.group
     if pattern in ("random", "single_key"):
-        qv = rng.standard_normal((d, Q, HQ)).astype(np.float32)
-        kv = rng.standard_normal((d, n, HKV)).astype(np.float16)
-        vv = rng.standard_normal((n, dv, HKV)).astype(np.float16)
+        qv = rng.standard_normal((d, Q, HQ), dtype=np.float32)
+        kv = rng.standard_normal((d, n, HKV), dtype=np.float32).astype(np.float16)
+        vv = rng.standard_normal((n, dv, HKV), dtype=np.float32).astype(np.float16)
     elif pattern == "dyadic":
         qv = (rng.integers(-8, 9, (d, Q, HQ)) / 8).astype(np.float32)
         kv = (rng.integers(-8, 9, (d, n, HKV)) / 16).astype(np.float16)
@@ -776,20 +792,12 @@ def make_data(fixture: Fixture, pattern: str = "random", seed: int = 0) -> Fixtu
     if "av" in expected:
         expected["output"] = _native_output_order(expected["av"])
 
-    bufs = {
-        "q": _fill_buffer(nat.spans["q"], np.float32),
-        "k": _fill_buffer(nat.spans["k"], np.float16),
-        "v": _fill_buffer(nat.spans["v"], np.float16),
-        "mask": _fill_buffer(nat.spans["mask"], np.float32),
-    }
-    c, j, a = np.meshgrid(np.arange(d), np.arange(Q), np.arange(HQ), indexing="ij")
-    bufs["q"].view(np.float32)[nat.q.addr(c, j, a) // F32] = qv
-    c, t, h = np.meshgrid(np.arange(d), np.arange(n), np.arange(HKV), indexing="ij")
-    bufs["k"].view(np.float16)[nat.k.addr(c, t, h) // F16] = kv
-    t, c, h = np.meshgrid(np.arange(n), np.arange(dv), np.arange(HKV), indexing="ij")
-    bufs["v"].view(np.float16)[nat.v.addr(t, c, h) // F16] = vv
-    t, r = np.meshgrid(np.arange(n), np.arange(fx.q_pad), indexing="ij")
-    bufs["mask"].view(np.float32)[nat.mask.addr(t, r) // F32] = mask
+    idx = _native_element_index(fx)
+    bufs = {}
+    for name, values, dt in (("q", qv, np.float32), ("k", kv, np.float16), ("v", vv, np.float16),
+                             ("mask", mask, np.float32)):
+        bufs[name] = _fill_buffer(nat.spans[name], dt)
+        bufs[name].view(dt)[idx[name]] = values
     return FixtureData(fx, pattern, qv, kv, vv, mask, float(scale), bufs, expected)
 
 
@@ -803,16 +811,29 @@ def _native_output_order(av: np.ndarray) -> np.ndarray:
 
 def _read(buf: np.ndarray, addr: np.ndarray, dtype) -> np.ndarray:
     """Gather elements of ``dtype`` at byte addresses; out-of-span reads give NaN."""
-    dt = np.dtype(dtype)
-    isz = dt.itemsize
-    addr = np.asarray(addr, dtype=np.int64)
-    inb = (addr >= 0) & (addr + isz <= buf.size)
-    if inb.all() and not (addr % isz).any():
-        return buf.view(dt)[addr // isz]
-    safe = np.where(inb, addr, 0)
-    raw = np.ascontiguousarray(buf[safe[..., None] + np.arange(isz)])
-    vals = raw.view(dt)[..., 0]
-    return np.where(inb, vals, np.array(np.nan, dtype=dt))
+    return _Gather(np.asarray(addr, dtype=np.int64), np.dtype(dtype), buf.size)(buf)
+
+
+class _Gather:
+    """A precomputed gather of ``dtype`` elements at byte addresses of one buffer:
+    aligned in-span addresses become element indices; anything else is read byte by
+    byte (misaligned) or as NaN (outside the span)."""
+
+    def __init__(self, addr: np.ndarray, dtype: np.dtype, size: int):
+        self.dtype = dtype
+        isz = dtype.itemsize
+        if addr.size == 0 or (addr.min() >= 0 and addr.max() + isz <= size and not (addr & (isz - 1)).any()):
+            self.index = addr >> (isz.bit_length() - 1)
+            self.inb = None
+        else:
+            self.inb = (addr >= 0) & (addr + isz <= size)
+            self.index = np.where(self.inb, addr, 0)[..., None] + np.arange(isz)
+
+    def __call__(self, buf: np.ndarray) -> np.ndarray:
+        if self.inb is None:
+            return buf.view(self.dtype)[self.index]
+        vals = np.ascontiguousarray(buf[self.index]).view(self.dtype)[..., 0]
+        return np.where(self.inb, vals, np.array(np.nan, dtype=self.dtype))
 
 
 def _softmax(w: np.ndarray, precision: str, axis: int) -> np.ndarray:
@@ -823,7 +844,7 @@ def _softmax(w: np.ndarray, precision: str, axis: int) -> np.ndarray:
         e = np.exp(w - mx)
         return e / np.sum(e, axis=axis, keepdims=True)
     e = np.exp(w - mx).astype(np.float32)
-    s = np.sum(e.astype(np.float64), axis=axis, keepdims=True)
+    s = np.sum(e, axis=axis, keepdims=True, dtype=np.float64)
     return e * (1.0 / s).astype(np.float32)
 
 
@@ -832,20 +853,21 @@ def _canonical_fp64(q, kpanels, kidx, mask, vpanels, vidx, scale) -> dict[str, n
 
     q (d, q, h_Q); kpanels (U, n_kv, d) with kidx (q, h_Q) naming the panel each (j, a)
     reads (-1: none); mask (n_kv, q, h_Q); vpanels (W, d_v, n_kv) with vidx (q, h_Q).
-    Every (j, a) column is computed by the same float64 matmul over the same panel and
-    the same column set whichever layout supplied the operands, so two layouts that read
-    identical values give bitwise identical results here: any FP64 difference between
-    layouts is an addressing difference, not a summation-order artefact.
+    Every (j, a) column is computed by the same float64 contraction (``np.einsum``, no
+    BLAS) over the same panel and the same column set whichever layout supplied the
+    operands, so two layouts that read identical values give bitwise identical results:
+    an FP64 difference between layouts is an addressing difference, not a
+    summation-order artefact.
     """
     d, Q, HQ = q.shape
     n = mask.shape[0]
     dv = vpanels.shape[1]
-    qf = q.reshape(d, Q * HQ).astype(np.float64)
+    qf = np.ascontiguousarray(q, dtype=np.float64).reshape(d, Q * HQ)
     s = np.full((n, Q * HQ), np.nan)
     for u in range(kpanels.shape[0]):
         cols = np.flatnonzero(kidx.ravel() == u)
         if cols.size:
-            s[:, cols] = kpanels[u].astype(np.float64) @ qf[:, cols]
+            s[:, cols] = np.einsum("tc,cn->tn", np.ascontiguousarray(kpanels[u], dtype=np.float64), qf[:, cols])
     w = s * np.float64(np.float32(scale)) + mask.reshape(n, Q * HQ).astype(np.float64)
     with np.errstate(invalid="ignore"):
         p = _softmax(w, "fp64", axis=0)
@@ -853,14 +875,17 @@ def _canonical_fp64(q, kpanels, kidx, mask, vpanels, vidx, scale) -> dict[str, n
     for u in range(vpanels.shape[0]):
         cols = np.flatnonzero(vidx.ravel() == u)
         if cols.size:
-            o[:, cols] = vpanels[u].astype(np.float64) @ p[:, cols]
+            o[:, cols] = np.einsum("vt,tn->vn", np.ascontiguousarray(vpanels[u], dtype=np.float64), p[:, cols])
     av = o.reshape(dv, Q, HQ)
     return {"qk": s.reshape(n, Q, HQ), "softmax": p.reshape(n, Q, HQ), "av": av,
             "output": _native_output_order(av)}
 
 
+F32_KERNELS = ("einsum", "matmul")
+
+
 def evaluate_layout(data: FixtureData, layout: _LayoutBase | None = None, *,
-                    src1_f16: bool = False) -> dict[str, dict[str, np.ndarray]]:
+                    src1_f16: bool = False, f32_kernel: str = "einsum") -> dict[str, dict[str, np.ndarray]]:
     """Compute attention by reading every operand through ``layout``'s addressing.
 
     Returns ``{precision: {stage: array}}`` with precision in :data:`PRECISIONS` and
@@ -873,9 +898,12 @@ def evaluate_layout(data: FixtureData, layout: _LayoutBase | None = None, *,
       logical labels and fed to one canonical float64 computation
       (:func:`_canonical_fp64`); the AV values are then written through the layout's
       output recombination.
-    * "f32", an emulation in the layout's own batch structure: per call, numpy float32
-      matmuls of each K/V panel with the call's (d, N) query block / (n_kv, N)
-      probability block (MQ: N = q, PQ/QB: N = 1), ggml-cpu style softmax.
+    * "f32", an emulation in the layout's own batch structure: per call, float32
+      contractions of each K/V panel with the call's (d, N) query blocks / (n_kv, N)
+      probability blocks (MQ: N = q, PQ/QB: N = 1), ggml-cpu style softmax.
+      ``f32_kernel="einsum"`` (default) uses ``np.einsum`` (float32 accumulation, no
+      BLAS, single-threaded); ``"matmul"`` uses ``np.matmul`` (OpenBLAS sgemm/sgemv,
+      whose thread wake-ups make it far slower on a small shared machine).
       ``src1_f16`` additionally rounds mul_mat's src1 to F16 as ggml-cpu does for an
       F16 src0.
 
@@ -883,117 +911,157 @@ def evaluate_layout(data: FixtureData, layout: _LayoutBase | None = None, *,
     buffer give NaN.
     """
     layout = QBLayout() if layout is None else layout
-    fx = data.fixture
+    if f32_kernel not in F32_KERNELS:
+        raise ValueError(f"f32_kernel must be one of {F32_KERNELS}, got {f32_kernel!r}")
+    plan = _layout_plan(data.fixture, layout)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # faulty layouts read garbage
+        return _evaluate(data, plan, src1_f16, f32_kernel)
+
+
+def _contract_einsum(panel: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """(M, K) x (E, K, N) -> (E, M, N) in the operands' dtype."""
+    return np.einsum("mk,ekn->emn", panel, blocks)
+
+
+@dataclass(frozen=True, eq=False)
+class _CallPlan:
+    N: int
+    E: int  # batch entries, e = i3 * H + i2
+    q: _Gather  # -> (E, d, N) after reshape
+    mask: _Gather  # -> (E, n_kv, N)
+    lj: np.ndarray  # (E, N) logical query of each kq column
+    la: np.ndarray  # (E, N) logical head
+    labelled: tuple  # (e, n) index arrays of in-range labels
+    pos: np.ndarray  # (E, d_v, N) final output element of each kqv element
+    k_idx: np.ndarray  # (E,) index into the K panels
+    v_idx: np.ndarray  # (E,) index into the V panels
+
+
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    calls: tuple
+    k_panels: tuple  # of (selection mask over panels, _Gather)
+    v_panels: tuple
+    n_k: int
+    n_v: int
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_plan(fx: Fixture, layout: _LayoutBase) -> _Plan:
+    """Every address a layout reads, for one fixture (data-independent, so cached)."""
     nat = fx.native()
     d, dv, n, Q, HQ = fx.d, fx.d_v, fx.n_kv, fx.q, fx.h_q
-    bufs = data.buffers
+    f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
     cc, tt, vc = np.arange(d), np.arange(n), np.arange(dv)
     calls = layout.calls(nat, fx)
-
-    # 1. read through the layout's addresses
-    reads = []
-    bases = {"k": [], "v": []}
+    pre, bases = [], {"k": [], "v": []}
     for call in calls:
         N, H, B = call.q.ne[1:]
-        E = H * B  # batch entries, e = i3 * H + i2
+        E = H * B
         i1 = np.arange(N)[:, None, None]
         i2 = np.arange(H)[None, :, None]
         i3 = np.arange(B)[None, None, :]
-        qv = _read(bufs["q"], call.q.addr(cc[:, None, None, None], i1, i2, i3), np.float32)
+        qa = call.q.addr(cc[:, None, None, None], i1, i2, i3).transpose(3, 2, 0, 1).reshape(E, d, N)
         m = call.mask
-        mv = _read(bufs["mask"], m.addr(tt[:, None, None, None], i1, i2 % m.ne[2], i3 % m.ne[3]), np.float32)
-        rec = {
-            "N": N, "E": E,
-            "q": qv.transpose(3, 2, 0, 1).reshape(E, d, N),
-            "mask": mv.transpose(3, 2, 0, 1).reshape(E, n, N),
-            "lj": np.asarray(call.label_j).transpose(2, 1, 0).reshape(E, N),
-            "la": np.asarray(call.label_a).transpose(2, 1, 0).reshape(E, N),
-            "pos": np.broadcast_to(_recombined_position(call, dv), (dv, N, H, B))
-            .transpose(3, 2, 0, 1).reshape(E, dv, N),
-        }
+        ma = m.addr(tt[:, None, None, None], i1, i2 % m.ne[2], i3 % m.ne[3]).transpose(3, 2, 0, 1).reshape(E, n, N)
+        lj = np.asarray(call.label_j).transpose(2, 1, 0).reshape(E, N)
+        la = np.asarray(call.label_a).transpose(2, 1, 0).reshape(E, N)
+        pos = np.broadcast_to(_recombined_position(call, dv), (dv, N, H, B)).transpose(3, 2, 0, 1).reshape(E, dv, N)
+        row = {}
         for role, src in (("k", call.k), ("v", call.v)):
             i02, i03 = _kv_head_index(call, src, H, B)
             base = (src.offset + i02 * src.nb[2] + i03 * src.nb[3]).T.reshape(E)
-            rec[role + "_desc"] = src
-            rec[role + "_base"] = base
             bases[role].append(base)
-        reads.append(rec)
-    panels, pidx = {}, {}
+            row[role] = (src, base)
+        pre.append((N, E, qa, ma, lj, la, pos, row))
+    panels, uniqs = {}, {}
     for role in ("k", "v"):
         uniq = np.unique(np.concatenate(bases[role]))
-        # every call shares the row strides of its own descriptor; read per distinct base
-        grids = []
-        for rec in reads:
-            src = rec[role + "_desc"]
-            sel = np.isin(uniq, rec[role + "_base"])
+        uniqs[role] = uniq
+        gathers = []
+        for *_, row in pre:
+            src, base = row[role]
+            sel = np.isin(uniq, base)
             if role == "k":  # (n_kv, d)
                 rows = tt[:, None] * src.nb[1] + cc[None, :] * src.nb[0]
             else:  # (d_v, n_kv)
                 rows = vc[:, None] * src.nb[1] + tt[None, :] * src.nb[0]
-            grids.append((sel, rows))
-        shape = (uniq.size, n, d) if role == "k" else (uniq.size, dv, n)
-        pan = np.full(shape, np.nan, dtype=np.float16)
-        for sel, rows in grids:
-            pan[sel] = _read(bufs[role], uniq[sel][:, None, None] + rows[None], np.float16)
-        panels[role] = pan
-        for rec in reads:
-            rec[role + "_idx"] = np.searchsorted(uniq, rec[role + "_base"])
-        pidx[role] = uniq
+            gathers.append((sel, _Gather(uniq[sel][:, None, None] + rows[None], f16, nat.spans[role])))
+        panels[role] = tuple(gathers)
+    out = []
+    for N, E, qa, ma, lj, la, pos, row in pre:
+        labelled = np.nonzero((lj >= 0) & (lj < Q) & (la >= 0) & (la < HQ))
+        out.append(_CallPlan(N, E, _Gather(qa, f32, nat.spans["q"]), _Gather(ma, f32, nat.spans["mask"]),
+                             lj, la, labelled, pos,
+                             np.searchsorted(uniqs["k"], row["k"][1]), np.searchsorted(uniqs["v"], row["v"][1])))
+    return _Plan(tuple(out), panels["k"], panels["v"], uniqs["k"].size, uniqs["v"].size)
 
-    res = {}
-    # 2. FP64: gather the read operands at their logical labels, canonical arithmetic
+
+def _read_panels(gathers, count, shape, buf) -> np.ndarray:
+    pan = np.full((count,) + shape, np.nan, dtype=np.float16)
+    for sel, g in gathers:
+        pan[sel] = g(buf)
+    return pan
+
+
+def _evaluate(data: FixtureData, plan: _Plan, src1_f16: bool, f32_kernel: str) -> dict[str, dict[str, np.ndarray]]:
+    contract = _contract_einsum if f32_kernel == "einsum" else np.matmul
+    fx = data.fixture
+    d, dv, n, Q, HQ = fx.d, fx.d_v, fx.n_kv, fx.q, fx.h_q
+    bufs = data.buffers
+    kpan = _read_panels(plan.k_panels, plan.n_k, (n, d), bufs["k"])
+    vpan = _read_panels(plan.v_panels, plan.n_v, (dv, n), bufs["v"])
+    reads = [(cp, cp.q(bufs["q"]), cp.mask(bufs["mask"])) for cp in plan.calls]
+
+    # FP64: gather the read operands at their logical labels, canonical arithmetic
     q_log = np.full((d, Q, HQ), np.nan, dtype=np.float32)
     m_log = np.full((n, Q, HQ), np.nan, dtype=np.float32)
     kidx = np.full((Q, HQ), -1)
     vidx = np.full((Q, HQ), -1)
-    for rec in reads:
-        lj, la = rec["lj"], rec["la"]
-        e_i, n_i = np.nonzero((lj >= 0) & (lj < Q) & (la >= 0) & (la < HQ))
-        J, A = lj[e_i, n_i], la[e_i, n_i]
-        q_log[:, J, A] = rec["q"][e_i, :, n_i].T
-        m_log[:, J, A] = rec["mask"][e_i, :, n_i].T
-        kidx[J, A] = rec["k_idx"][e_i]
-        vidx[J, A] = rec["v_idx"][e_i]
-    fp64 = _canonical_fp64(q_log, panels["k"], kidx, m_log, panels["v"], vidx, data.scale)
+    for cp, qv, mv in reads:
+        e_i, n_i = cp.labelled
+        J, A = cp.lj[e_i, n_i], cp.la[e_i, n_i]
+        q_log[:, J, A] = qv[e_i, :, n_i].T
+        m_log[:, J, A] = mv[e_i, :, n_i].T
+        kidx[J, A] = cp.k_idx[e_i]
+        vidx[J, A] = cp.v_idx[e_i]
+    fp64 = _canonical_fp64(q_log, kpan, kidx, m_log, vpan, vidx, data.scale)
     out = np.full(dv * HQ * Q, np.nan)
-    for rec in reads:
-        lj, la, pos = rec["lj"], rec["la"], rec["pos"]
-        ok = ((lj >= 0) & (lj < Q) & (la >= 0) & (la < HQ))[:, None, :] & (pos >= 0) & (pos < out.size)
-        e_i, v_i, n_i = np.nonzero(ok)
-        out[pos[e_i, v_i, n_i]] = fp64["av"][v_i, lj[e_i, n_i], la[e_i, n_i]]
+    for cp, _, _ in reads:
+        e_i, n_i = cp.labelled
+        pos = cp.pos[e_i, :, n_i]  # (L, d_v)
+        vals = fp64["av"][:, cp.lj[e_i, n_i], cp.la[e_i, n_i]].T
+        ok = (pos >= 0) & (pos < out.size)
+        out[pos[ok]] = vals[ok]
     fp64["output"] = out
-    res["fp64"] = fp64
 
-    # 3. F32 emulation in the layout's batch structure
+    # F32 emulation in the layout's batch structure
     r = {"qk": np.full((n, Q, HQ), np.nan), "softmax": np.full((n, Q, HQ), np.nan),
          "av": np.full((dv, Q, HQ), np.nan), "output": np.full(dv * HQ * Q, np.nan)}
     scale32 = np.float32(data.scale)
-    for rec in reads:
-        E, N = rec["E"], rec["N"]
-        src1 = rec["q"]
-        if src1_f16:
-            src1 = src1.astype(np.float16).astype(np.float32)
+    k32 = kpan.astype(np.float32)
+    v32 = vpan.astype(np.float32)
+    for cp, qv, mv in reads:
+        E, N = cp.E, cp.N
+        src1 = qv.astype(np.float16).astype(np.float32) if src1_f16 else qv
         s = np.empty((E, n, N), dtype=np.float32)
-        for u in np.unique(rec["k_idx"]):
-            sel = rec["k_idx"] == u
-            s[sel] = np.matmul(panels["k"][u].astype(np.float32), src1[sel])
-        with np.errstate(invalid="ignore"):
-            pr = _softmax(s * scale32 + rec["mask"], "f32", axis=1)
+        for u in np.unique(cp.k_idx):
+            sel = cp.k_idx == u
+            s[sel] = contract(k32[u], src1[sel])
+        pr = _softmax(s * scale32 + mv, "f32", axis=1)
         src1 = pr.astype(np.float16).astype(np.float32) if src1_f16 else pr
         o = np.empty((E, dv, N), dtype=np.float32)
-        for u in np.unique(rec["v_idx"]):
-            sel = rec["v_idx"] == u
-            o[sel] = np.matmul(panels["v"][u].astype(np.float32), src1[sel])
-        lj, la, pos = rec["lj"], rec["la"], rec["pos"]
-        e_i, n_i = np.nonzero((lj >= 0) & (lj < Q) & (la >= 0) & (la < HQ))
-        J, A = lj[e_i, n_i], la[e_i, n_i]
+        for u in np.unique(cp.v_idx):
+            sel = cp.v_idx == u
+            o[sel] = contract(v32[u], src1[sel])
+        e_i, n_i = cp.labelled
+        J, A = cp.lj[e_i, n_i], cp.la[e_i, n_i]
         r["qk"][:, J, A] = s[e_i, :, n_i].T
         r["softmax"][:, J, A] = pr[e_i, :, n_i].T
         r["av"][:, J, A] = o[e_i, :, n_i].T
-        inside = (pos >= 0) & (pos < r["output"].size)
-        r["output"][pos[inside]] = o[inside]
-    res["f32"] = r
-    return res
+        inside = (cp.pos >= 0) & (cp.pos < r["output"].size)
+        r["output"][cp.pos[inside]] = o[inside]
+    return {"fp64": fp64, "f32": r}
 
 
 def reference_attention(data: FixtureData) -> dict[str, np.ndarray]:
@@ -1020,7 +1088,8 @@ def _maxabs(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def run_layout_audit(*, quick: bool = False, fixture_list=None, patterns=PATTERNS, seed: int = 0,
-                     src1_f16: bool = False, layouts=None) -> tuple["xr.Dataset", bool]:
+                     src1_f16: bool = False, f32_kernel: str = "einsum",
+                     layouts=None) -> tuple["xr.Dataset", bool]:
     """Run the address oracle (layouts and injected faults) and the FP64/F32 oracles.
 
     Returns ``(dataset, passed)``. ``passed`` requires every obligation to hold for every
@@ -1061,7 +1130,7 @@ def run_layout_audit(*, quick: bool = False, fixture_list=None, patterns=PATTERN
         for pi, pat in enumerate(pats):
             data = make_data(fx, pat, seed)
             ref = reference_attention(data)
-            outs = [evaluate_layout(data, lay, src1_f16=src1_f16) for lay in lays]
+            outs = [evaluate_layout(data, lay, src1_f16=src1_f16, f32_kernel=f32_kernel) for lay in lays]
             for li in range(nL):
                 for ri, prec in enumerate(PRECISIONS):
                     st = outs[li][prec]
@@ -1115,6 +1184,7 @@ def run_layout_audit(*, quick: bool = False, fixture_list=None, patterns=PATTERN
         "quick": int(quick),
         "seed": int(seed),
         "src1_f16": int(src1_f16),
+        "f32_kernel": f32_kernel,
         "n_fixtures": nF,
         "passed": int(passed),
         "maxdiff_note": "max |x - y| over all logical coordinates; reported, never thresholded",

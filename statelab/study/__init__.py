@@ -1,0 +1,21 @@
+"""Study specifications expanded into cells (prompt x selector x direction x repeat), each
+run in a fresh worker process, appended durably to a JSON-lines log, resumable, compiled
+into an xarray Dataset and a Markdown report (paper 6.2, S5.1, S5.2).
+
+    spec      parse and validate ``studies/*.toml``; the normalised spec and its hash
+    store     the output folder (spec.json, captures, controls, cells.jsonl) and the cell log
+    controls  per-prompt captures, natural endpoints, shams, EMPTY/ALL controls
+    cells     cell tasks and the cell itself (subset cross + record)
+    worker    ``python -m statelab.study.worker``: one cell in a fresh process
+    executors local process-per-cell pool, Dask LocalCluster, Dask scheduler
+    results   Dataset (results.nc) and report (report.md), without a model
+    runner    run_study (controls, cells, resume, compile) and minimal_selection
+"""
+from .results import DETERMINISTIC, compile_dataset, compile_study, load_dataset
+from .runner import Reporter, RunSummary, default_out, minimal_selection, run_study
+from .spec import Direction, StudyError, StudySpec, cell_key, load_spec
+from .store import CellLog, StudyDir
+
+__all__ = ["DETERMINISTIC", "CellLog", "Direction", "Reporter", "RunSummary", "StudyDir", "StudyError", "StudySpec",
+           "cell_key", "compile_dataset", "compile_study", "default_out", "load_dataset", "load_spec",
+           "minimal_selection", "run_study"]
