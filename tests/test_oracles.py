@@ -248,20 +248,25 @@ def test_dyadic_qk_is_exact_in_float32():
 
 
 def test_quick_audit_dataset_and_markdown():
-    few = QUICK[::4]
-    ds, passed = run_layout_audit(fixture_list=few)
-    assert passed and ds.attrs["passed"] == 1
-    assert ds.sizes["fixture"] == len(few) and ds.sizes["obligation"] == len(OBLIGATIONS)
-    assert set(ds["layout"].values) == {"MQ", "PQ", "QB"}
+    ds, passed = run_layout_audit(quick=True)
+    assert passed and ds.attrs["passed"] == 1 and ds.attrs["quick"] == 1
+    assert ds.sizes["fixture"] == 96 and ds.sizes["obligation"] == len(OBLIGATIONS)
+    assert list(ds["layout"].values) == ["MQ", "PQ", "QB"]
+    assert list(ds["pattern"].values) == list(O.PATTERNS) and list(ds["stage"].values) == list(O.STAGES)
     assert bool(ds["obligation_ok"].all())
-    assert bool(ds["fault_expected_fired"].any("fixture").all())
+    detected = ds["fault_expected_fired"].sum("fixture")
+    assert bool((detected > 0).all())
+    q_dependent = int((ds["q"] > 1).sum())
+    assert int(detected.sel(fault="shared_mask_column")) == q_dependent == 48
+    assert int(detected.sel(fault="misaligned_q_offset")) == 96
     assert bool(ds["exact_ok"].all()) and bool(ds["finite"].all())
     fp64 = ds["maxdiff_vs_reference"].sel(precision="fp64")
     assert float(fp64.max()) == 0.0  # identical values read through every layout
+    assert float(ds["maxdiff_vs_reference"].sel(precision="f32", pattern="dyadic", stage="qk").max()) == 0.0
     f32 = ds["maxdiff_vs_reference"].sel(precision="f32", pattern="random", stage="av")
     assert float(f32.max()) > 0.0  # reported, not thresholded
     md = audit_markdown(ds)
-    assert f"Fixtures checked: **{len(few)}**" in md and "PASS" in md
+    assert "Fixtures checked: **96**" in md and "**PASS**" in md
     for f in FAULTS:
         assert f"| {f.name} | {f.obligation} |" in md
 

@@ -56,8 +56,10 @@ if TYPE_CHECKING:  # pragma: no cover
     import xarray as xr
 
 __all__ = [
+    "EXACT_PATTERNS",
     "F16",
     "F32",
+    "F32_KERNELS",
     "FAULTS",
     "HEAD_DIMS",
     "HEAD_PAIRS",
@@ -74,6 +76,7 @@ __all__ = [
     "Fault",
     "Fixture",
     "FixtureData",
+    "Layout",
     "MQLayout",
     "NativeTensors",
     "OracleReport",
@@ -301,7 +304,14 @@ class AttnCall:
 
 
 @dataclass(frozen=True)
-class _LayoutBase:
+class Layout:
+    """Base of the layout descriptions: builds a fixture's attention calls.
+
+    kv_head_map  "broadcast": ggml mul_mat's src0 broadcast (query head a reads KV head
+                 a // (h_Q/h_KV)); "repeat": K/V tiled to h_Q heads as ggml_repeat would
+                 (a -> a % h_KV), traced back to the cache (a GQA fault)
+    out_perm     the permute applied to kqv before cont (native: (0, 2, 1, 3))
+    """
     kv_head_map: Literal["broadcast", "repeat"] = "broadcast"
     out_perm: tuple[int, int, int, int] = (0, 2, 1, 3)
 
@@ -319,7 +329,7 @@ class _LayoutBase:
 
 
 @dataclass(frozen=True)
-class MQLayout(_LayoutBase):
+class MQLayout(Layout):
     """The native multi-query graph: one call over all queries."""
 
     kind = "MQ"
@@ -332,7 +342,7 @@ class MQLayout(_LayoutBase):
 
 
 @dataclass(frozen=True)
-class PQLayout(_LayoutBase):
+class PQLayout(Layout):
     """One attention sub-graph per query: q column j, mask column j, outputs concatenated."""
 
     kind = "PQ"
@@ -350,7 +360,7 @@ class PQLayout(_LayoutBase):
 
 
 @dataclass(frozen=True)
-class QBLayout(_LayoutBase):
+class QBLayout(Layout):
     """The query-to-batch view. Defaults are the correct layout; other values are faults.
 
     q_nb3          which original query stride becomes the view's fourth-axis stride
@@ -393,7 +403,7 @@ class Fault:
     """An injected QB fault and the obligation that must detect it."""
 
     name: str
-    layout: _LayoutBase
+    layout: Layout
     obligation: str
     description: str
 
@@ -528,7 +538,7 @@ def _preconditions(call: AttnCall, fx: Fixture, col: _Collector, ci: int) -> boo
     return ok
 
 
-def check_qb_addressing(fixture: Fixture, layout: _LayoutBase | None = None) -> OracleReport:
+def check_qb_addressing(fixture: Fixture, layout: Layout | None = None) -> OracleReport:
     """Integer address oracle: check ``layout`` (default :class:`QBLayout`) against the
     native MQ addressing of ``fixture`` for every logical coordinate.
 
@@ -809,11 +819,6 @@ def _native_output_order(av: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- numerics
 
 
-def _read(buf: np.ndarray, addr: np.ndarray, dtype) -> np.ndarray:
-    """Gather elements of ``dtype`` at byte addresses; out-of-span reads give NaN."""
-    return _Gather(np.asarray(addr, dtype=np.int64), np.dtype(dtype), buf.size)(buf)
-
-
 class _Gather:
     """A precomputed gather of ``dtype`` elements at byte addresses of one buffer:
     aligned in-span addresses become element indices; anything else is read byte by
@@ -884,7 +889,7 @@ def _canonical_fp64(q, kpanels, kidx, mask, vpanels, vidx, scale) -> dict[str, n
 F32_KERNELS = ("einsum", "matmul")
 
 
-def evaluate_layout(data: FixtureData, layout: _LayoutBase | None = None, *,
+def evaluate_layout(data: FixtureData, layout: Layout | None = None, *,
                     src1_f16: bool = False, f32_kernel: str = "einsum") -> dict[str, dict[str, np.ndarray]]:
     """Compute attention by reading every operand through ``layout``'s addressing.
 
@@ -940,21 +945,21 @@ class _CallPlan:
 @dataclass(frozen=True, eq=False)
 class _Plan:
     calls: tuple
-    k_panels: tuple  # of (selection mask over panels, _Gather)
+    k_panels: tuple  # of (panel ids, _Gather of those panels)
     v_panels: tuple
     n_k: int
     n_v: int
 
 
-@functools.lru_cache(maxsize=64)
-def _layout_plan(fx: Fixture, layout: _LayoutBase) -> _Plan:
+@functools.lru_cache(maxsize=16)
+def _layout_plan(fx: Fixture, layout: Layout) -> _Plan:
     """Every address a layout reads, for one fixture (data-independent, so cached)."""
     nat = fx.native()
     d, dv, n, Q, HQ = fx.d, fx.d_v, fx.n_kv, fx.q, fx.h_q
     f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
     cc, tt, vc = np.arange(d), np.arange(n), np.arange(dv)
     calls = layout.calls(nat, fx)
-    pre, bases = [], {"k": [], "v": []}
+    pre = []
     for call in calls:
         N, H, B = call.q.ne[1:]
         E = H * B
@@ -970,37 +975,46 @@ def _layout_plan(fx: Fixture, layout: _LayoutBase) -> _Plan:
         row = {}
         for role, src in (("k", call.k), ("v", call.v)):
             i02, i03 = _kv_head_index(call, src, H, B)
-            base = (src.offset + i02 * src.nb[2] + i03 * src.nb[3]).T.reshape(E)
-            bases[role].append(base)
-            row[role] = (src, base)
+            row[role] = (src, (src.offset + i02 * src.nb[2] + i03 * src.nb[3]).T.reshape(E))
         pre.append((N, E, qa, ma, lj, la, pos, row))
-    panels, uniqs = {}, {}
-    for role in ("k", "v"):
-        uniq = np.unique(np.concatenate(bases[role]))
-        uniqs[role] = uniq
-        gathers = []
-        for *_, row in pre:
+    # One panel per distinct (row strides, base address): K panels (n_kv, d), V (d_v, n_kv).
+    ids = {"k": {}, "v": {}}
+    gathers = {"k": [], "v": []}
+    pidx = []
+    for *_, row in pre:
+        call_idx = {}
+        for role in ("k", "v"):
             src, base = row[role]
-            sel = np.isin(uniq, base)
-            if role == "k":  # (n_kv, d)
-                rows = tt[:, None] * src.nb[1] + cc[None, :] * src.nb[0]
-            else:  # (d_v, n_kv)
-                rows = vc[:, None] * src.nb[1] + tt[None, :] * src.nb[0]
-            gathers.append((sel, _Gather(uniq[sel][:, None, None] + rows[None], f16, nat.spans[role])))
-        panels[role] = tuple(gathers)
+            known = ids[role]
+            new_ids, new_bases, idx = [], [], []
+            for b in base.tolist():
+                key = (src.nb[0], src.nb[1], b)
+                if key not in known:
+                    known[key] = len(known)
+                    new_ids.append(known[key])
+                    new_bases.append(b)
+                idx.append(known[key])
+            call_idx[role] = np.array(idx)
+            if new_bases:
+                if role == "k":
+                    rows = tt[:, None] * src.nb[1] + cc[None, :] * src.nb[0]
+                else:
+                    rows = vc[:, None] * src.nb[1] + tt[None, :] * src.nb[0]
+                addr = np.array(new_bases, dtype=np.int64)[:, None, None] + rows[None]
+                gathers[role].append((np.array(new_ids), _Gather(addr, f16, nat.spans[role])))
+        pidx.append(call_idx)
     out = []
-    for N, E, qa, ma, lj, la, pos, row in pre:
+    for (N, E, qa, ma, lj, la, pos, _), ci in zip(pre, pidx):
         labelled = np.nonzero((lj >= 0) & (lj < Q) & (la >= 0) & (la < HQ))
         out.append(_CallPlan(N, E, _Gather(qa, f32, nat.spans["q"]), _Gather(ma, f32, nat.spans["mask"]),
-                             lj, la, labelled, pos,
-                             np.searchsorted(uniqs["k"], row["k"][1]), np.searchsorted(uniqs["v"], row["v"][1])))
-    return _Plan(tuple(out), panels["k"], panels["v"], uniqs["k"].size, uniqs["v"].size)
+                             lj, la, labelled, pos, ci["k"], ci["v"]))
+    return _Plan(tuple(out), tuple(gathers["k"]), tuple(gathers["v"]), len(ids["k"]), len(ids["v"]))
 
 
 def _read_panels(gathers, count, shape, buf) -> np.ndarray:
     pan = np.full((count,) + shape, np.nan, dtype=np.float16)
-    for sel, g in gathers:
-        pan[sel] = g(buf)
+    for ids, g in gathers:
+        pan[ids] = g(buf)
     return pan
 
 

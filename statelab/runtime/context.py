@@ -25,7 +25,7 @@ class ContextConfig:
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: bool = False
-    n_threads: int = 0  # 0: os.cpu_count()
+    n_threads: int = 0  # 0: $STATELAB_THREADS, else os.cpu_count()
     n_gpu_layers: int | None = None  # None: 0 on cpu, all layers on a device backend
     backend: str = "cpu"
     device: int = 0  # index among the backend's devices
@@ -45,7 +45,7 @@ class ContextConfig:
 
     @property
     def threads(self) -> int:
-        return self.n_threads or os.cpu_count() or 1
+        return self.n_threads or int(os.environ.get("STATELAB_THREADS") or 0) or os.cpu_count() or 1
 
     def with_(self, **kw) -> "ContextConfig":
         return replace(self, **kw)

@@ -36,6 +36,23 @@ def check_executor(executor: str, workers: int) -> str:
     raise StudyError(f"unknown executor {executor!r}: use local, dask-local or dask://HOST:PORT")
 
 
+def _address(executor: str) -> str:
+    m = _DASK_ADDR.match(executor)
+    return f"tcp://{m.group('host')}:{m.group('port')}"
+
+
+def probe_executor(executor: str) -> None:
+    """Fail early (before controls) when a Dask scheduler cannot be reached."""
+    if not executor.startswith("dask://"):
+        return
+    from distributed import Client
+
+    try:
+        Client(_address(executor), timeout="10s").close()
+    except OSError as e:
+        raise StudyError(f"cannot reach the Dask scheduler at {executor}: {e}") from None
+
+
 def run_cell_subprocess(task: dict, timeout: float | None = None) -> dict:
     """Run one cell in a new Python process and return its record (never raises)."""
     from .cells import failed_record
@@ -80,11 +97,12 @@ def _run_local(tasks: list[dict], workers: int, on_result: Callable[[dict], None
             raise
 
 
-def _run_dask(tasks: list[dict], workers: int, on_result: Callable[[dict], None], address: str | None) -> None:
+def _run_dask(tasks: list[dict], workers: int, on_result: Callable[[dict], None], address: str | None) -> dict:
     from distributed import Client, LocalCluster, as_completed
 
     from .cells import failed_record
 
+    t0 = time.perf_counter()
     cluster = None
     if address is None:
         cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
@@ -95,6 +113,7 @@ def _run_dask(tasks: list[dict], workers: int, on_result: Callable[[dict], None]
             client = Client(address, timeout="20s")
         except OSError as e:
             raise StudyError(f"cannot reach the Dask scheduler at {address}: {e}") from None
+    t1 = time.perf_counter()
     try:
         futs = {client.submit(run_cell_subprocess, t, key=f"statelab-cell-{i}-{t['spec_hash'][:8]}-{time.time_ns()}",
                               pure=False): t for i, t in enumerate(tasks)}
@@ -104,21 +123,23 @@ def _run_dask(tasks: list[dict], workers: int, on_result: Callable[[dict], None]
             except Exception as e:  # the Dask task itself failed (worker lost...)
                 rec = failed_record(futs[f], f"dask task failed: {type(e).__name__}: {e}")
             on_result(rec)
+        t2 = time.perf_counter()
     finally:
         client.close()
         if cluster is not None:
             cluster.close()
+    return {"startup_s": t1 - t0, "shutdown_s": time.perf_counter() - t2}
 
 
-def execute(tasks: Iterable[dict], executor: str, workers: int, on_result: Callable[[dict], None]) -> None:
+def execute(tasks: Iterable[dict], executor: str, workers: int, on_result: Callable[[dict], None]) -> dict:
+    """Run the tasks; returns the executor's own overhead: {"startup_s", "shutdown_s"}."""
     tasks = list(tasks)
     executor = check_executor(executor, workers)
     if not tasks:
-        return
+        return {"startup_s": 0.0, "shutdown_s": 0.0}
     if executor == "local":
         _run_local(tasks, workers, on_result)
-    elif executor == "dask-local":
-        _run_dask(tasks, workers, on_result, None)
-    else:
-        m = _DASK_ADDR.match(executor)
-        _run_dask(tasks, workers, on_result, f"tcp://{m.group('host')}:{m.group('port')}")
+        return {"startup_s": 0.0, "shutdown_s": 0.0}
+    if executor == "dask-local":
+        return _run_dask(tasks, workers, on_result, None)
+    return _run_dask(tasks, workers, on_result, _address(executor))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .cells import plan
 from .controls import run_controls
-from .executors import check_executor, execute
+from .executors import check_executor, execute, probe_executor
 from .spec import StudyError, StudySpec, check_prompts_fit, load_spec
 from .store import CellLog, StudyDir
 
@@ -41,6 +41,7 @@ class RunSummary:
     cells_seconds: float
     report: Path
     results: Path
+    executor_startup_s: float = 0.0  # Dask cluster/client start, inside cells_seconds
 
     @property
     def cells_per_minute(self) -> float:
@@ -71,6 +72,7 @@ def run_study(spec_path, out=None, executor: str = "local", workers: int = 2, re
     check_executor(executor, workers)
     sdir = StudyDir(out if out is not None else default_out(spec))
     sdir.check(spec)
+    probe_executor(executor)
 
     rep.phase("loading the model")
     prepare_backend(spec.backend)
@@ -106,21 +108,24 @@ def run_study(spec_path, out=None, executor: str = "local", workers: int = 2, re
         rep.advance(rec)
 
     tc = time.perf_counter()
+    overhead = {"startup_s": 0.0}
     try:
-        execute(todo, executor, workers, on_result)
+        overhead = execute(todo, executor, workers, on_result)
     finally:
         cells_seconds = time.perf_counter() - tc
         rep.finish()
         with open(sdir.root / "runs.jsonl", "a") as f:
             f.write(json.dumps({"started": time.time() - (time.perf_counter() - t0), "executor": executor,
                                 "workers": workers, "cells_ran": counts["ran"], "failed": counts["failed"],
-                                "cells_seconds": cells_seconds, "pid": os.getpid()}) + "\n")
+                                "cells_seconds": cells_seconds, "executor_overhead": overhead,
+                                "pid": os.getpid()}) + "\n")
     rep.phase("compiling results")
     compile_study(sdir.root)
     return RunSummary(out=sdir.root, spec_hash=spec.hash, resumed=resumed, planned=len(tasks) + len(withheld),
                       withheld=len(withheld), skipped=len(tasks) - len(todo), ran=counts["ran"],
                       failed=counts["failed"], seconds=time.perf_counter() - t0, cells_seconds=cells_seconds,
-                      report=sdir.report_path, results=sdir.results_path)
+                      report=sdir.report_path, results=sdir.results_path,
+                      executor_startup_s=overhead.get("startup_s", 0.0))
 
 
 def minimal_selection(spec_path, prompt: str, direction: str, out=None, refine: bool = True, progress=None) -> dict:

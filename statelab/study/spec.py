@@ -32,7 +32,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ConfigError, StatelabError
+from ..errors import ConfigError
 
 FORMAT = "statelab.study/1"
 _TOP_KEYS = ("name", "description", "model", "backend", "threads", "n_ctx", "cap", "repeats", "prompts",
@@ -330,5 +330,5 @@ def check_prompts_fit(spec: StudySpec, model) -> dict[str, int]:
     return out
 
 
-__all__ = ["FORMAT", "Direction", "StudyError", "StudySpec", "StatelabError", "cell_key", "check_against_model",
+__all__ = ["FORMAT", "Direction", "StudyError", "StudySpec", "cell_key", "check_against_model",
            "check_prompts_fit", "load_spec", "slug"]

@@ -1,0 +1,139 @@
+"""Cells per minute of a study (default: the CI study) on the local process pool versus a
+Dask LocalCluster with the same number of workers, measured in one run.
+
+Each executor runs every cell of the study in a fresh process.  The per-prompt controls
+(captures, naturals, shams, EMPTY/ALL) run once, in a first local run; the other runs start
+from copies of that folder (same captures, same controls), so only the cell phase is
+compared: from the first cell submitted to the last result appended, Dask's LocalCluster
+start and shutdown included.  Rounds alternate the executors (local, dask, local, dask...)
+so a drift of the shared machine hits both.  Before timings are compared, every run must
+give the same deterministic records (qualification); a run that does not is reported and
+fails the benchmark.
+
+    python benchmarks/study_executors.py [--spec studies/ci.toml] [--workers 2] [--rounds 1]
+
+Writes (or replaces) the section "## Study executors" of docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from statelab.study import CellLog, load_spec, run_study  # noqa: E402
+
+HEADING = "## Study executors"
+VOLATILE = {"timing", "pid", "host"}
+
+
+def _records(out: Path) -> dict:
+    return {r["key"]: {k: v for k, v in r.items() if k not in VOLATILE} for r in CellLog(out / "cells.jsonl").records()}
+
+
+def _fresh_copy(src: Path, dst: Path) -> None:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("cells.jsonl", "results.nc", "report.md", "runs.jsonl"))
+
+
+def update_section(doc: Path, body: str) -> None:
+    text = doc.read_text() if doc.is_file() else "# Benchmarks\n\nMeasured results; each section is written by the script it names.\n"
+    section = f"{HEADING}\n\n{body.strip()}\n"
+    pattern = re.compile(rf"^{re.escape(HEADING)}\b.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _m: section + "\n", text, count=1).rstrip() + "\n"
+    else:
+        text = text.rstrip() + "\n\n" + section
+    from statelab.paths import atomic_write_text
+
+    atomic_write_text(doc, text)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--spec", type=Path, default=REPO / "studies" / "ci.toml")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1, help="alternating local/dask rounds")
+    ap.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the study folders here")
+    args = ap.parse_args(argv)
+
+    spec = load_spec(args.spec)
+    root = Path(tempfile.mkdtemp(prefix="statelab-bench-")) if args.keep is None else args.keep
+    root.mkdir(parents=True, exist_ok=True)
+    seed = root / "seed"
+    print(f"controls and captures (local, once) -> {seed}", flush=True)
+    first = run_study(args.spec, seed, "local", args.workers, spec=spec)
+    reference = _records(seed)
+    runs = {"local": [first], "dask-local": []}
+    failures = []
+    for r in range(args.rounds):
+        for ex in (("dask-local",) if r == 0 else ("local", "dask-local")):
+            out = root / f"{ex}-{r}"
+            _fresh_copy(seed, out)
+            s = run_study(args.spec, out, ex, args.workers, spec=spec)
+            runs[ex].append(s)
+            if _records(out) != reference or s.failed:
+                failures.append(f"{ex} round {r}: records differ from the first local run")
+            print(f"{ex:10s} round {r}: {s.ran} cells in {s.cells_seconds:.1f} s = {s.cells_per_minute:.1f} cells/min",
+                  flush=True)
+    if runs["local"][0].failed:
+        failures.append("the first local run had failed cells")
+
+    n_cells = first.ran
+    rows, med = [], {}
+    for ex in ("local", "dask-local"):
+        rs = runs[ex]
+        cpm = [s.cells_per_minute for s in rs]
+        secs = [s.cells_seconds for s in rs]
+        start = [s.executor_startup_s for s in rs]
+        net = [60.0 * s.ran / (s.cells_seconds - s.executor_startup_s) for s in rs]
+        med[ex] = statistics.median(cpm)
+        rows.append(f"| {ex} | {args.workers} | {len(rs)} | {n_cells} | {statistics.median(secs):.1f} | "
+                    f"{statistics.median(start):.1f} | {med[ex]:.1f} | {statistics.median(net):.1f} | "
+                    f"{', '.join(f'{x:.1f}' for x in cpm)} |")
+    recs = CellLog(seed / "cells.jsonl").records()
+    proc_s = statistics.median(r["timing"]["subprocess_s"] for r in recs)
+    load_s = statistics.median(r["timing"]["load_s"] for r in recs)
+    cross_s = statistics.median(r["timing"]["cross_s"] for r in recs)
+    load = os.getloadavg()
+    qual = ("every run gave the same deterministic records as the first local run" if not failures
+            else "FAILED: " + "; ".join(failures))
+    body = f"""\
+Command: `python benchmarks/study_executors.py --spec {os.path.relpath(args.spec, REPO)} --workers {args.workers} --rounds {args.rounds}`
+({dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; {platform.machine()}, {os.cpu_count()} CPUs shared
+with other work, load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; spec hash {spec.hash[:12]}).
+
+Study `{spec.name}`: {len(spec.prompts)} prompts x {len(spec.selectors)} selectors x {len(spec.directions)} directions x {spec.repeats} repeats = {n_cells} cells, output cap {spec.cap}, {spec.threads} thread(s) per cell.
+Every cell runs in its own fresh process under both executors. Timed: the cell phase only, from the first
+submission to the last durable append, Dask's LocalCluster start and shutdown included (start also shown
+apart); the per-prompt controls ran once and every run starts from the same captures and controls.
+Rounds alternate the executors. Qualification: {qual}.
+
+| executor | workers | runs | cells | median cell phase (s) | median executor start (s) | median cells/min | cells/min without start | each run (cells/min) |
+|---|---|---|---|---|---|---|---|---|
+{chr(10).join(rows)}
+
+Local pool / Dask LocalCluster throughput ratio (medians): {med['local'] / med['dask-local']:.3f}.
+Per cell (median, first run): {proc_s:.2f} s for the whole process, of which model load {load_s:.2f} s and the
+subset cross {cross_s:.2f} s; the rest is interpreter start, imports and reading the verified captures.
+The machine is shared: quote medians and the ratio, not single absolute times.
+"""
+    update_section(args.doc, body)
+    print(body)
+    if args.keep is None:
+        shutil.rmtree(root, ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
