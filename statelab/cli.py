@@ -364,6 +364,96 @@ def model_derive(out: Path = typer.Argument(..., help="output GGUF file"),
                   f"sha256 {r['sha256']}", markup=False, highlight=False)
 
 
+spec_app = typer.Typer(no_args_is_help=True, help="The QB speculative path: arms, qualification, timing.")
+app.add_typer(spec_app, name="spec")
+DraftOpt = typer.Option("self", "--draft", help="'self' (the target), 'derive:N' (its first N layers), a GGUF path, "
+                        "or 'none'")
+
+
+@spec_app.command("run")
+def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEvalOpt,
+             prompt_file: Optional[Path] = PromptFileOpt,
+             arms: str = typer.Option("R,M0,M_QB,C_QB", help="comma list of R, M0, C0, M_QB, M_PQ, M_GS, C_QB, C_PQ, C_GS"),
+             k: int = typer.Option(3, help="draft proposals per cycle"), ubatch: int = typer.Option(4, help="target ubatch"),
+             mask: int = typer.Option(3, help="phase mask 0..15 (1 target prefill, 2 target continuation, 4 draft "
+                                              "prefill, 8 draft continuation)"),
+             cap: int = CapOpt, model: Optional[Path] = ModelOpt, draft: str = DraftOpt, backend: str = BackendOpt,
+             threads: int = ThreadsOpt, json_out: Optional[Path] = typer.Option(None, "--json")):
+    """Run arms on one prompt in this process; qualify each against R; time qualified arms."""
+    from .campaign import _load_runner, resolve_draft
+    from .paths import atomic_write_text
+    from .speculative import Arm, SpecConfig, qualify
+
+    names = [a.strip() for a in arms.split(",") if a.strip()]
+    for a in names:
+        Arm.parse(a)
+    cfg = SpecConfig(k=k, ubatch=ubatch, mask=mask, cap=cap, backend=backend, threads=threads)
+    p = _prompt(prompt, humaneval, prompt_file)
+    need_draft = any(Arm.parse(a).draft for a in names)
+    runner = _load_runner(model, resolve_draft(model, draft) if need_draft else None, cfg)
+    if "R" not in names:
+        names = ["R"] + names
+    results = qualify([runner.run(a, p, warmup=True) for a in names])
+    t = Table(title=f"{p.id}: k={k}, ubatch {ubatch}, mask {mask}, cap {cap}, {backend}")
+    for col in ("arm", "qualified", "first diff", "seconds", "accepted/proposals", "target callers", "micrographs"):
+        t.add_column(col)
+    for r in results:
+        c = r.counters
+        t.add_row(r.arm, "ref" if r.arm == "R" else ("yes" if r.qualified else "NO"),
+                  "=" if r.first_diff is None else str(r.first_diff),
+                  f"{r.seconds:.3f}" if r.qualified else f"({r.seconds:.3f} not comparable)",
+                  f"{c.accepted}/{c.proposals}", str(c.target_callers), str(c.target_micrographs))
+    console.print(t)
+    if json_out:
+        atomic_write_text(json_out, json.dumps([r.record() for r in results], indent=1))
+
+
+@spec_app.command("campaign")
+def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see studies/spec-ci.toml)"),
+                  out: Path = typer.Option(Path("runs/campaign"), "--out")):
+    """Fresh worker processes, counterbalanced blocks, sessions, bootstrap intervals."""
+    from rich.progress import Progress
+
+    from .campaign import CampaignSpec, plan, run_campaign
+
+    spec = CampaignSpec.load(spec_path)
+    with Progress(console=console, transient=True) as prog:
+        task = prog.add_task("requests", total=len(plan(spec, spec.draft)))
+        res = run_campaign(spec, out, progress=lambda: prog.advance(task))
+    console.print(res["report"], markup=False, highlight=False)
+    console.print(f"results: {out}/results.nc, {out}/report.md")
+
+
+@spec_app.command("masks")
+def spec_masks(tasks: str = typer.Option("HumanEval/0,HumanEval/2,HumanEval/4,HumanEval/5", help="prompts"),
+               repeats: int = typer.Option(2), k: int = typer.Option(3), ubatch: int = typer.Option(4),
+               cap: int = CapOpt, arm: str = typer.Option("C_QB"), masks: str = typer.Option("0-15"),
+               model: Optional[Path] = ModelOpt, draft: str = DraftOpt, backend: str = BackendOpt,
+               threads: int = ThreadsOpt, out: Path = typer.Option(Path("runs/masks"), "--out")):
+    """Phase-mask experiment: which masks reproduce R; the inclusion-minimal ones."""
+    from rich.progress import Progress
+
+    from .campaign import mask_markdown, phase_mask_experiment, resolve_draft
+    from .paths import atomic_write_text
+
+    if "-" in masks:
+        lo, hi = masks.split("-")
+        ms = list(range(int(lo), int(hi) + 1))
+    else:
+        ms = [int(x) for x in masks.split(",")]
+    ps = [x.strip() for x in tasks.split(",") if x.strip()]
+    n = len(ps) * (1 + len(ms) * repeats)
+    with Progress(console=console, transient=True) as prog:
+        task = prog.add_task("requests", total=n)
+        res = phase_mask_experiment(model, resolve_draft(model, draft), ps, ms, repeats, k, ubatch, cap, arm, backend,
+                                    threads, progress=lambda: prog.advance(task))
+    md = mask_markdown(res, ps)
+    console.print(md, markup=False, highlight=False)
+    atomic_write_text(Path(out) / "masks.md", md)
+    atomic_write_text(Path(out) / "masks.json", json.dumps({k_: v for k_, v in res.items() if k_ != "records"}
+                                                           | {"records": res["records"]}, indent=1, default=str))
+
+
 def main():
     try:
         app(standalone_mode=False)

@@ -281,12 +281,17 @@ class SpecConfig:
         check_cap(self.cap)
 
 
-def check_draft(target_model, draft_model) -> None:
+def check_draft_paths(target_path, draft_path) -> None:
     from .derive import same_vocabulary
+    from .models import resolve_model
 
-    ok, why = same_vocabulary(target_model.path, draft_model.path)
+    ok, why = same_vocabulary(resolve_model(target_path), resolve_model(draft_path))
     if not ok:
         raise IdentityError(f"the draft model does not share the target's vocabulary: {why}")
+
+
+def check_draft(target_model, draft_model) -> None:
+    check_draft_paths(target_model.path, draft_model.path)
 
 
 class Runner:

@@ -52,7 +52,8 @@ class Admission:
     """How the graph computed last was built.
 
     requested/built: "MQ", "PQ", "QB"; "none" before any graph with attention was computed;
-    built "mixed" if attention layers were built with different layouts.
+    built "mixed" if attention layers were built with different layouts. built "MQ" means the
+    native path (flash attention when the context enables it; the reason then says so).
     admitted: the requested layout was built, or q == 1 (trivial: all layouts are the native graph).
     reason: "admitted", "trivial: ...", "not admitted: <first failed guard> (<k> of <n> attention layers)".
     """
