@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
 import statistics
 import sys
@@ -72,7 +73,17 @@ def main(argv=None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     seed = root / "seed"
     print(f"controls and captures (local, once) -> {seed}", flush=True)
-    first = run_study(args.spec, seed, "local", args.workers, spec=spec)
+    cpu = {"local": [], "dask-local": []}
+
+    def timed(ex, out):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        s = run_study(args.spec, out, ex, args.workers, spec=spec)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        used = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        cpu[ex].append(used / max(s.ran, 1))
+        return s
+
+    first = timed("local", seed)
     reference = _records(seed)
     runs = {"local": [first], "dask-local": []}
     failures = []
@@ -80,7 +91,7 @@ def main(argv=None) -> int:
         for ex in (("dask-local",) if r == 0 else ("local", "dask-local")):
             out = root / f"{ex}-{r}"
             _fresh_copy(seed, out)
-            s = run_study(args.spec, out, ex, args.workers, spec=spec)
+            s = timed(ex, out)
             runs[ex].append(s)
             if _records(out) != reference or s.failed:
                 failures.append(f"{ex} round {r}: records differ from the first local run")
@@ -100,7 +111,8 @@ def main(argv=None) -> int:
         med[ex] = statistics.median(cpm)
         rows.append(f"| {ex} | {args.workers} | {len(rs)} | {n_cells} | {statistics.median(secs):.1f} | "
                     f"{statistics.median(start):.1f} | {med[ex]:.1f} | {statistics.median(net):.1f} | "
-                    f"{', '.join(f'{x:.1f}' for x in cpm)} |")
+                    f"{statistics.median(cpu[ex]):.2f} | {', '.join(f'{x:.1f}' for x in cpm)} |")
+    pair = [lo.cells_per_minute / da.cells_per_minute for lo, da in zip(runs["local"], runs["dask-local"])]
     recs = CellLog(seed / "cells.jsonl").records()
     proc_s = statistics.median(r["timing"]["subprocess_s"] for r in recs)
     load_s = statistics.median(r["timing"]["load_s"] for r in recs)
@@ -119,11 +131,13 @@ submission to the last durable append, Dask's LocalCluster start and shutdown in
 apart); the per-prompt controls ran once and every run starts from the same captures and controls.
 Rounds alternate the executors. Qualification: {qual}.
 
-| executor | workers | runs | cells | median cell phase (s) | median executor start (s) | median cells/min | cells/min without start | each run (cells/min) |
-|---|---|---|---|---|---|---|---|---|
+| executor | workers | runs | cells | median cell phase (s) | median executor start (s) | median cells/min | cells/min without start | CPU s per cell | each run (cells/min) |
+|---|---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
-Local pool / Dask LocalCluster throughput ratio (medians): {med['local'] / med['dask-local']:.3f}.
+Local pool / Dask LocalCluster throughput ratio: {med['local'] / med['dask-local']:.3f} (medians); per round
+(local run, then the Dask run right after it): {', '.join(f'{x:.3f}' for x in pair)}. CPU s per cell: user + system
+time of all descendant processes (cell processes, and Dask's scheduler-side workers), divided by the cells run.
 Per cell (median, first run): {proc_s:.2f} s for the whole process, of which model load {load_s:.2f} s and the
 subset cross {cross_s:.2f} s; the rest is interpreter start, imports and reading the verified captures.
 The machine is shared: quote medians and the ratio, not single absolute times.

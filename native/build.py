@@ -75,8 +75,13 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def patch_series() -> list[Path]:
-    return sorted(PATCH_DIR.glob("*.patch"))
+def patch_series(upto: str | None = None) -> list[Path]:
+    """The ordered patch series; with `upto`, only patches whose name sorts at or before it
+    (e.g. upto="0001" gives the library without the attention-layout patch)."""
+    patches = sorted(PATCH_DIR.glob("*.patch"))
+    if upto is not None:
+        patches = [p for p in patches if p.name[:len(upto)] <= upto]
+    return patches
 
 
 def patch_series_hash(patches: list[Path]) -> str:
@@ -162,8 +167,8 @@ def build_key(ident: dict) -> str:
     return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def identity(backend: str) -> dict:
-    patches = patch_series()
+def identity(backend: str, upto: str | None = None) -> dict:
+    patches = patch_series(upto)
     cmake_args = COMMON_CMAKE + BACKEND_CMAKE[backend]
     return {
         "sdist": f"{SDIST_NAME}=={SDIST_VERSION}",
@@ -235,11 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--no-install", action="store_true", help="build or find the wheel only")
     ap.add_argument("--print-key", action="store_true", help="print the cache key and exit")
+    ap.add_argument("--upto", help="apply only the patches up to this prefix (e.g. 0001: no layouts)")
     args = ap.parse_args(argv)
     try:
         if args.backend not in BACKEND_CMAKE:
             raise BuildError(f"unknown backend {args.backend!r}; choose one of {sorted(BACKEND_CMAKE)}")
-        ident = identity(args.backend)
+        ident = identity(args.backend, args.upto)
         key = build_key(ident)
         if args.print_key:
             print(key)

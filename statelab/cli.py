@@ -64,8 +64,9 @@ def doctor(model: Optional[Path] = ModelOpt, backend: str = typer.Option(None, "
     ident = build_identity()
     t = Table(title="native build", show_header=False)
     for k in ("backend", "build_key", "sdist", "sdist_sha256", "patches", "patch_series_sha256", "compiler",
-              "llama_cpp_python"):
-        t.add_row(k, str(ident.get(k)))
+              "llama_cpp_python", "lib_override"):
+        if k in ident:
+            t.add_row(k, str(ident[k]))
     console.print(t)
     d = Table(title="devices")
     for c in ("index", "registry", "name", "type", "description", "memory_total"):

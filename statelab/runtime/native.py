@@ -142,5 +142,7 @@ def build_identity() -> dict:
         raise NativeBuildError(f"llama_cpp is installed but has no statelab build identity ({path}); "
                                f"it was not built by native/build.py; {INSTALL_HINT}") from None
     ident["llama_cpp_python"] = getattr(mod, "__version__", "?")
+    if os.environ.get("LLAMA_CPP_LIB_PATH"):  # llama_cpp then loads libllama from there, not from the build
+        ident["lib_override"] = os.environ["LLAMA_CPP_LIB_PATH"]
     ident["system_info"] = mod.llama_print_system_info().decode(errors="replace").strip()
     return ident
