@@ -137,7 +137,7 @@ Rounds alternate the executors. Qualification: {qual}.
 
 Local pool / Dask LocalCluster throughput ratio: {med['local'] / med['dask-local']:.3f} (medians); per round
 (local run, then the Dask run right after it): {', '.join(f'{x:.3f}' for x in pair)}. CPU s per cell: user + system
-time of all descendant processes (cell processes, and Dask's scheduler-side workers), divided by the cells run.
+time of all descendant processes (the cell processes and, under Dask, its worker processes), divided by the cells run.
 Per cell (median, first run): {proc_s:.2f} s for the whole process, of which model load {load_s:.2f} s and the
 subset cross {cross_s:.2f} s; the rest is interpreter start, imports and reading the verified captures.
 The machine is shared: quote medians and the ratio, not single absolute times.

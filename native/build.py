@@ -53,7 +53,10 @@ COMMON_CMAKE = [
 BACKEND_CMAKE = {
     "cpu": [],
     "vulkan": ["-DGGML_VULKAN=ON"],
-    "cuda": ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"],
+    # Hidden visibility keeps each library's inline C++ (std::regex internals included) private,
+    # so libllama never binds to libggml-cuda's copies.
+    "cuda": ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90", "-DCMAKE_CXX_VISIBILITY_PRESET=hidden",
+             "-DCMAKE_CUDA_VISIBILITY_PRESET=hidden", "-DCMAKE_VISIBILITY_INLINES_HIDDEN=ON"],
 }
 
 

@@ -279,13 +279,14 @@ def sweep(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEva
 
 @app.command()
 def demo(model: Optional[Path] = ModelOpt, backend: str = BackendOpt, cap: int = CapOpt,
-         tasks: str = typer.Option("HumanEval/0,HumanEval/2,HumanEval/10", help="comma list of prompts"),
+         tasks: Optional[str] = typer.Option(None, help="comma list of prompts (default: HumanEval/0,2,10 on cpu; "
+                                             "10,20,86 elsewhere, all longer than B's 128-token split)"),
          threads: int = ThreadsOpt, out: Path = typer.Option(Path("runs/demo"), help="report folder")):
     """The main job: a partition study on a few HumanEval prompts (natural arms, shams,
     whole-KV crosses both ways) with arms that differ on this backend."""
     from . import demo as demo_mod
 
-    demo_mod.run(console, model, backend, cap, tasks.split(","), threads, out)
+    demo_mod.run(console, model, backend, cap, (tasks or demo_mod.default_tasks(backend)).split(","), threads, out)
 
 
 # ---------------------------------------------------------------------------- study
@@ -453,6 +454,272 @@ def spec_masks(tasks: str = typer.Option("HumanEval/0,HumanEval/2,HumanEval/4,Hu
     atomic_write_text(Path(out) / "masks.md", md)
     atomic_write_text(Path(out) / "masks.json", json.dumps({k_: v for k_, v in res.items() if k_ != "records"}
                                                            | {"records": res["records"]}, indent=1, default=str))
+
+
+# ---------------------------------------------------------------------------- frontier
+frontier_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                           help="Frontier panels (2x2: EMPTY, component 1, component 2, both) with full FP32 "
+                                "logit traces: t*, fixed-pair scores, additive prediction and interaction.")
+app.add_typer(frontier_app, name="frontier")
+
+
+def _frontier_say(msg: str) -> None:
+    err.print(msg, markup=False, highlight=False, soft_wrap=True)
+
+
+@frontier_app.command("run")
+def frontier_run_(spec: Path = typer.Argument(..., help="frontier spec (studies/frontier-*.toml)"),
+                  out: Optional[Path] = typer.Option(None, "--out", "-o",
+                                                     help="run folder (default runs/frontier/NAME); resumes"),
+                  workers: int = typer.Option(1, "--workers", "-w", help="worker processes at once")):
+    """Run (or resume) a frontier spec: traces in fresh processes, then results.nc, report.md, plots."""
+    from .frontier_run import run_frontier
+
+    s = run_frontier(spec, out, workers, say=_frontier_say)
+    console.print(f"{s.out}: {s.ran} worker(s) run, {s.skipped} already done, {s.seconds:.0f} s; "
+                  f"{s.n_frontiers} panel repeat(s) with a frontier; repeats agree on {s.agreement[0]} of "
+                  f"{s.agreement[1]} compared contrasts", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"report: {s.report}\nresults: {s.results}", markup=False, highlight=False, soft_wrap=True)
+
+
+@frontier_app.command("analyse")
+def frontier_analyse_(results_dir: Path = typer.Argument(..., help="a frontier run folder")):
+    """Recompute the dataset, tables and plots from the stored traces (no model is loaded)."""
+    from .frontier_run import analyse_run, write_outputs
+
+    r = analyse_run(results_dir)
+    paths = write_outputs(results_dir, r)
+    a = r.agreement.attrs
+    console.print(f"{results_dir}: {r.n_frontiers} panel repeat(s) with a frontier; repeats agree on "
+                  f"{a['n_agree']} of {a['n_compared']} compared contrasts", markup=False, highlight=False,
+                  soft_wrap=True)
+    console.print(f"report: {paths['report']}\nresults: {paths['results']}", markup=False, highlight=False,
+                  soft_wrap=True)
+
+
+# ---------------------------------------------------------------------------- audit / replay / locate
+audit_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                        help="Layout oracles, E1 attention correspondence on the model, backend admission.")
+app.add_typer(audit_app, name="audit")
+
+AuditOutOpt = typer.Option(None, "--out", "-o", help="also write report.md and results.nc into this folder")
+
+
+def _audit_write(out: Optional[Path], md: str, ds, name: str = "results.nc") -> None:
+    from .paths import atomic_write_text
+
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "report.md", md)
+    ds.to_netcdf(out / name)
+    console.print(f"[dim]wrote {out / 'report.md'} and {out / name}[/dim]")
+
+
+def _audit_prompt_tokens(m, prompt, humaneval, prompt_file, default_task: str = "HumanEval/2"):
+    from . import prompts
+
+    if prompt is None and humaneval is None and prompt_file is None:
+        p = prompts.humaneval(default_task)
+    else:
+        p = _prompt(prompt, humaneval, prompt_file)
+    return p, m.tokenize(p.text)
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    from .errors import ConfigError
+
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} must be a comma list of integers, got {text!r}") from None
+    if not vals:
+        raise ConfigError(f"{what}: empty list")
+    return vals
+
+
+@audit_app.command("layouts")
+def audit_layouts(quick: bool = typer.Option(False, "--quick", help="a small fixture subset"),
+                  out: Optional[Path] = AuditOutOpt):
+    """Integer address oracle, fault injection and FP64/F32 oracles of MQ/PQ/QB (no model)."""
+    from .audit.oracles import audit_markdown, run_layout_audit
+
+    ds, passed = run_layout_audit(quick=quick)
+    md = audit_markdown(ds)
+    console.print(md, markup=False, highlight=False, soft_wrap=True)
+    _audit_write(out, md, ds)
+    if not passed:
+        raise typer.Exit(1)
+
+
+@audit_app.command("backends")
+def audit_backends(model: Optional[Path] = ModelOpt, backend: str = BackendOpt,
+                   qs: str = typer.Option("1,2,3,4", "--q", help="occupied query counts"),
+                   n_kv: int = typer.Option(256, "--n-kv", help="KV extent of the operator shapes"),
+                   out: Optional[Path] = AuditOutOpt):
+    """Ask every backend device whether it supports the MQ/PQ/QB attention operators
+    (ggml_backend_dev_supports_op), next to what the runtime built."""
+    from .audit.admission import AttnShape, admission_markdown, run_admission
+    from .errors import ConfigError
+
+    m, base = _setup(model, backend)
+    if n_kv < 1:
+        raise ConfigError(f"--n-kv must be >= 1, got {n_kv}")
+    ds = run_admission(AttnShape.of_model(m, n_kv), _int_list(qs, "--q"), model=m, backend_config=base)
+    md = admission_markdown(ds)
+    console.print(md, markup=False, highlight=False, soft_wrap=True)
+    _audit_write(out, md, ds)
+
+
+@audit_app.command("e1")
+def audit_e1(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEvalOpt,
+             prompt_file: Optional[Path] = PromptFileOpt, model: Optional[Path] = ModelOpt,
+             layers: str = typer.Option("first,middle,last", "--layers", help="target layers"),
+             phases: str = typer.Option("prefill,continuation", "--phases"),
+             qs: str = typer.Option("1,2,3,4", "--q", help="occupied query counts (1..4)"),
+             layouts_: str = typer.Option("MQ,PQ,QB", "--layouts"),
+             replay: bool = typer.Option(True, "--replay/--no-replay", help="also replay the frozen MQ operands "
+                                         "as MQ/PQ/QB standalone graphs"),
+             backend: str = BackendOpt, threads: int = ThreadsOpt, out: Optional[Path] = AuditOutOpt):
+    """E1: capture Q/K/V/mask and QK/softmax/AV at target layers under MQ, PQ and QB
+    (controls first), compare bitwise with max |d| and ULP (default prompt HumanEval/2)."""
+    from .audit.capture import parse_layers
+    from .audit.e1 import e1_markdown, run_e1, save_capture
+    from .audit.replay import replay_e1, replay_markdown
+
+    m, base = _setup(model, backend, threads)
+    p, toks = _audit_prompt_tokens(m, prompt, humaneval, prompt_file)
+    lay = parse_layers(layers, m.n_layer) or list(range(m.n_layer))
+    ds, detail = run_e1(m, toks, layers=lay, phases=tuple(x.strip() for x in phases.split(",") if x.strip()),
+                        qs=_int_list(qs, "--q"), layouts=tuple(x.strip().upper() for x in layouts_.split(",")),
+                        base_config=base, progress=lambda s: err.print(f"[dim]{s}[/dim]"))
+    ds.attrs["prompt"] = p.id
+    md = f"Prompt: {p.id} ({len(toks)} tokens)\n\n" + e1_markdown(ds)
+    rds = None
+    if replay:
+        rds = replay_e1(detail, threads=threads or None)
+        md += "\n" + replay_markdown(rds)
+    console.print(md, markup=False, highlight=False, soft_wrap=True)
+    _audit_write(out, md, ds)
+    if out is not None:
+        if rds is not None:
+            rds.to_netcdf(out / "replay.nc")
+        for (ph, q, lo), r in detail["runs"].items():
+            for L, cap in r.captures.items():
+                save_capture(cap, r.identity, out / "captures" / f"L{L}_{ph}_q{q}_{lo}",
+                             {"prompt": p.id, "phase": ph})
+
+
+@app.command("replay")
+def replay_cmd(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEvalOpt,
+               prompt_file: Optional[Path] = PromptFileOpt, model: Optional[Path] = ModelOpt,
+               layer: int = typer.Option(0, "--layer", "-l", help="layer whose operator calls are replayed"),
+               q: int = typer.Option(4, "--q", help="occupied queries of the captured micro-batch (1..4)"),
+               layout: str = typer.Option("MQ", "--layout", help="attention layout of the native capture "
+                                          "(PQ/QB need the layout patch)"),
+               capture_dir: Optional[Path] = typer.Option(None, "--capture", help="replay a saved attention "
+                                                          "capture (from 'audit e1 --out') instead"),
+               device: Optional[str] = typer.Option(None, "--device", help="backend device for the replay "
+                                                    "(default: CPU)"),
+               backend: str = BackendOpt, threads: int = ThreadsOpt, out: Optional[Path] = AuditOutOpt):
+    """Operator replay: re-run captured operator calls of a layer (own-path correspondence,
+    in-place aliasing excluded) and its attention operands as MQ/PQ/QB standalone graphs."""
+    import numpy as np
+
+    from .audit.capture import Geometry, check_layer, run_graph
+    from .audit.e1 import MAX_Q, extract_attention, load_capture
+    from .audit.replay import ops_markdown, replay_attention, replay_ops
+    from .errors import ConfigError
+    from .formation import Schedule
+    from .paths import atomic_write_text
+
+    m, base = _setup(model, backend, threads)
+    if capture_dir is not None:
+        cap, man = load_capture(capture_dir, m)
+        rows, title = [], f"saved capture {capture_dir} (layer {cap.layer}, {man.get('phase', '?')}, q={cap.q}, " \
+                           f"captured as {cap.layout})"
+    else:
+        check_layer(m, layer)
+        if isinstance(q, bool) or not 1 <= q <= MAX_Q:
+            raise ConfigError(f"--q must be in 1..{MAX_Q} (occupied queries), got {q}")
+        p, toks = _audit_prompt_tokens(m, prompt, humaneval, prompt_file)
+        if len(toks) < q:
+            raise ConfigError(f"the prompt has {len(toks)} tokens, fewer than q={q}")
+
+        def mine(name):
+            from .audit.capture import name_layer
+
+            return name_layer(name) == layer
+
+        lay = layout.strip().upper()
+        if lay not in ("MQ", "PQ", "QB"):
+            raise ConfigError(f"unknown attention layout {layout!r}; use MQ, PQ or QB")
+        run = run_graph(m, toks[:q], Geometry(Schedule(f"q{q}", (q,), q, 512), lay), base, want=mine,
+                        want_srcs=mine, logits="all")
+        rows = replay_ops(run, layer, device, threads or None)
+        cap = extract_attention(run, layer)
+        title = f"{p.id}: first {q} prompt tokens in one micro-batch, layer {layer}, native layout {lay}"
+    lines = [f"# Replay: {title}", ""]
+    if rows:
+        lines.append(ops_markdown(rows))
+    lines += ["## Attention operands replayed as MQ / PQ / QB", "",
+              "| layout | qk | softmax | av |", "| --- | --- | --- | --- |"]
+    results = {}
+    for lo in ("MQ", "PQ", "QB"):
+        results[lo] = replay_attention(cap, lo, device, threads or None)
+        cells = []
+        for s in ("qk", "softmax", "av"):
+            a, b = results[lo][s], cap.outputs[s]
+            if a.tobytes() == b.tobytes():
+                cells.append("= native")
+            else:
+                fin = np.isfinite(a) & np.isfinite(b)
+                cells.append(f"≠ native (max abs diff {float(np.abs(a[fin].astype(np.float64) - b[fin]).max()):.3g})")
+        lines.append(f"| {lo} | " + " | ".join(cells) + " |")
+    lines.append(f"\nNative capture was built as {cap.layout}; PQ vs QB replay bitwise equal at every stage: "
+                 f"{all(results['PQ'][s].tobytes() == results['QB'][s].tobytes() for s in ('qk', 'softmax', 'av'))}.")
+    md = "\n".join(lines) + "\n"
+    console.print(md, markup=False, highlight=False, soft_wrap=True)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "report.md", md)
+    if any(r.status == "failed" for r in rows):
+        raise typer.Exit(1)
+
+
+@app.command("locate")
+def locate_cmd(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEvalOpt,
+               prompt_file: Optional[Path] = PromptFileOpt, model: Optional[Path] = ModelOpt,
+               a: str = typer.Option("ub1", "--a", "-a", help="first geometry: SCHEDULE[:LAYOUT], e.g. ub1, A, "
+                                     "16+rest, ub4:QB"),
+               b: str = typer.Option("ub4", "--b", "-b", help="second geometry"),
+               layers: str = typer.Option("all", "--layers", help="captured layers: all, 0, 0-3, first,last"),
+               logits: str = typer.Option("last", "--logits", help="last (prefill) or all (every row an output)"),
+               max_tokens: int = typer.Option(0, "--max-tokens", help="use only the first N prompt tokens (0: all)"),
+               backend: str = BackendOpt, threads: int = ThreadsOpt, out: Optional[Path] = AuditOutOpt,
+               json_out: bool = typer.Option(False, "--json", help="print the first divergence as JSON")):
+    """Divergence locator: capture every graph node under two geometries and name the first
+    node (layer, op) whose outputs differ on the same token positions."""
+    from .audit.locate import locate, locate_markdown
+    from .errors import ConfigError
+
+    m, base = _setup(model, backend, threads)
+    p, toks = _audit_prompt_tokens(m, prompt, humaneval, prompt_file)
+    if max_tokens < 0:
+        raise ConfigError(f"--max-tokens must be >= 0, got {max_tokens}")
+    if max_tokens:
+        toks = toks[:max_tokens]
+    res = locate(m, toks, a, b, base, layers=layers, logits=logits)
+    res.dataset.attrs["prompt"] = p.id
+    if json_out:
+        console.print_json(json.dumps({"prompt": p.id, "n_tokens": int(len(toks)), "a": a, "b": b,
+                                       "diverged": res.diverged, "first": res.first,
+                                       "logits_equal": bool(res.dataset.attrs["logits_equal"])}))
+    else:
+        md = f"Prompt: {p.id} ({len(toks)} tokens)\n\n" + locate_markdown(res.dataset)
+        console.print(md, markup=False, highlight=False, soft_wrap=True)
+    if out is not None:
+        _audit_write(out, f"Prompt: {p.id} ({len(toks)} tokens)\n\n" + locate_markdown(res.dataset), res.dataset)
 
 
 def main():

@@ -17,6 +17,11 @@ from .partition import study_prompt
 from .paths import atomic_write_text
 
 
+def default_tasks(backend: str) -> str:
+    """Prompts whose natural endpoints differ between the backend's arms (measured: docs/findings.md)."""
+    return "HumanEval/0,HumanEval/2,HumanEval/10" if backend == "cpu" else "HumanEval/10,HumanEval/20,HumanEval/86"
+
+
 def arms_for(backend: str) -> dict:
     names = ("A", "R") if backend == "cpu" else ("A", "B", "C")
     return {n: PRESETS[n] for n in names}
@@ -32,7 +37,20 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: int, out: Path):
+def frontier_section(model, base, prompts, cap: int = 48, console=None, directions=None) -> str:
+    """The L0 and POSITION frontier panels of ``prompts`` (Prompt objects or prompt specs) as a
+    Markdown section: for the inputs where the selector matrix found donor effects.  Runs in
+    this process (one repeat per direction, cap ~48) with the arms that differ on the backend."""
+    from . import prompts as prompts_mod
+    from .frontier_run import frontier_section as section
+
+    ps = [prompts_mod.resolve(p) if isinstance(p, str) else p for p in prompts]
+    say = (lambda msg: console.print(msg, markup=False, highlight=False)) if console is not None else (lambda msg: None)
+    return section(model, base, ps, cap, arms=arms_for(base.backend), directions=directions, say=say)
+
+
+def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: int, out: Path,
+        frontier_tasks: list[str] | None = None, frontier_cap: int = 48):
     from . import prompts
     from .receiver import check_cap
     from .runtime import ContextConfig, Model, prepare_backend
@@ -62,6 +80,8 @@ def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: 
                   "cross classes: B reproduces the donor, C third trajectory, D keeps the recipient.")
     report = (f"# statelab demo ({backend})\n\nmodel: {model.info.name} ({model.sha256[:16]})\n\n"
               f"## Partition study (arms {', '.join(arms)}, cap {cap})\n\n" + markdown_table(rows))
+    if frontier_tasks:
+        report += "\n" + frontier_section(model, base, frontier_tasks, frontier_cap, console)
     atomic_write_text(Path(out) / "report.md", report)
     console.print(f"report: {Path(out) / 'report.md'}")
     return rows

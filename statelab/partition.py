@@ -85,8 +85,8 @@ def sweep(model, prompt, schedules: list[Schedule], base, cap: int = DEFAULT_CAP
     for s in schedules:
         capture, ep = natural(model, prompt, s, base, cap)
         h = capture.hashes()
-        endpoints[s.name] = tuple(ep.tokens.tolist()) + (ep.eog,)
-        states[s.name] = (h["kv"], h["logits"])
+        endpoints[s.name] = (ep.tokens, ep.eog)
+        states[s.name] = h["kv"] + h["logits"]  # a string: compared as itself
         if ref is None:
             ref = ep
         rows.append({"schedule": s.name, "describe": s.describe(), "n_prompt": capture.n_prompt,

@@ -106,7 +106,7 @@ def _run_dask(tasks: list[dict], workers: int, on_result: Callable[[dict], None]
     cluster = None
     if address is None:
         cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
-                               silence_logs=logging.ERROR)
+                               silence_logs=logging.CRITICAL)
         client = Client(cluster)
     else:
         try:

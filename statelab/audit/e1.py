@@ -1,0 +1,559 @@
+"""E1: same-input attention correspondence of MQ, PQ and QB on the real model (paper 4.3, 5.2, S3.2).
+
+A *context* is (target layer, phase, q): phase ``prefill`` decodes the first q prompt tokens
+in one micro-batch (visible keys 1..q), phase ``continuation`` decodes q greedy continuation
+tokens after the whole prompt (visible keys n+1..n+q), q = 1..4 occupied queries. For every
+(phase, q) and layout, a fresh context is run three times: a capture, a repeat capture and a
+run without any eval callback. From the captures of each target layer we freeze:
+
+* the operands: Q (``Qcur-L (view) (permuted)``, (d, q, h_Q)), K and V (the permuted KV-cache
+  views), the mask (the ``soft_max_ext`` mask input, through its view to the base tensor),
+  each with type, extents, byte strides and a sha256 of the logical values; the views each
+  layout actually hands to its operators (extents, strides, offsets); the GQA head map and
+  the softmax parameters (scale, max_bias);
+* the outputs at QK (``kq``), softmax (``kq_soft_max``) and AV (``kqv``), put in the native
+  order (h_Q, q, n_kv) / (h_Q, q, d) whatever the layout (PQ: ``kq_pq<j>``... concatenated).
+
+Controls come first and withhold comparisons they fail: observation (the nodes were found
+and the library built the requested layout, or q = 1 where every layout is the native
+graph), capture on/off (the logits of every output row of the run equal bitwise with and
+without the callback), repeatability (the same layout twice gives bitwise-equal operands and
+outputs), operand identity across layouts (hashes). Then, per pair of layouts and stage:
+bitwise equal or not, max |difference| and max ULP distance (:func:`oracles.ulp_distance`);
+no tolerance decides anything. PQ and QB need the layout patch; without it their columns
+say "not available (patch missing)".
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..formation import Schedule
+from .capture import check_layer, parse_node_name, run_graph
+from .capture import Geometry
+
+PHASES = ("prefill", "continuation")
+LAYOUTS = ("MQ", "PQ", "QB")
+STAGES = ("qk", "softmax", "av")
+PAIRS = (("MQ", "PQ"), ("MQ", "QB"), ("PQ", "QB"))
+MAX_Q = 4
+NOT_AVAILABLE = "not available (patch missing)"
+
+
+# --------------------------------------------------------------------------- frozen operands
+
+
+@dataclass
+class Operand:
+    name: str  # node or tensor it was read from
+    type: str
+    ne: tuple
+    nb: tuple
+    data: np.ndarray
+
+    @property
+    def sha256(self) -> str:
+        h = hashlib.sha256()
+        h.update(f"{self.type}|{self.ne}|{self.nb}|".encode())
+        h.update(np.ascontiguousarray(self.data).tobytes())
+        return h.hexdigest()
+
+    def describe(self) -> dict:
+        return {"name": self.name, "type": self.type, "ne": list(self.ne), "nb": list(self.nb),
+                "sha256": self.sha256}
+
+
+@dataclass
+class AttnCapture:
+    """Operands and outputs of one attention layer in one run."""
+
+    layer: int
+    layout: str  # layout built (read from the graph)
+    q: int
+    n_kv: int
+    operands: dict  # "q", "k", "v", "mask" -> Operand
+    consumed: dict  # e.g. "qk.src1" -> descriptor of the view the operator read
+    outputs: dict  # stage -> np.ndarray (h_Q, q, n_kv) or (h_Q, q, d)
+    scale: float
+    max_bias: float
+    head_map: list  # query head a -> KV head
+    nodes: list = field(default_factory=list)  # the CapturedNodes (for replay)
+
+    def hashes(self) -> dict:
+        return {k: v.sha256 for k, v in self.operands.items()}
+
+
+def _f32(word: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", int(word)))[0]
+
+
+def _desc(src) -> dict:
+    return {"name": src.name, "op": src.op, "type": src.type, "ne": list(src.ne), "nb": list(src.nb),
+            "view_of": src.view_src, "view_offs": src.view_offs}
+
+
+def extract_attention(run, layer: int, micro_batch: tuple[int, int] | None = None) -> AttnCapture:
+    """Pick the attention operands and outputs of `layer` from a run's captured nodes, in one
+    micro-batch ((call, graph); default: the first captured one)."""
+    nodes = [n for n in run.nodes if parse_node_name(n.name, n.op)[1] == layer]
+    if not nodes:
+        raise ConfigError(f"no captured node of layer {layer}")
+    key = micro_batch or min((n.call, n.graph) for n in nodes)
+    nodes = [n for n in nodes if (n.call, n.graph) == tuple(key)]
+    if not nodes:
+        raise ConfigError(f"no captured node of layer {layer} in micro-batch {key}")
+    by = {}
+    for n in nodes:
+        canon = parse_node_name(n.name, n.op)[0]
+        by.setdefault(canon, []).append(n)
+
+    def one(canon, op=None):
+        c = [n for n in by.get(canon, []) if op is None or n.op == op]
+        if len(c) != 1:
+            raise ConfigError(f"layer {layer}: expected one {canon!r} node{' (' + op + ')' if op else ''}, "
+                              f"found {len(c)}")
+        return c[0]
+
+    qn = one("Qcur (view) (permuted)", "PERMUTE")
+    kn = one("cache_k (view) (permuted)", "PERMUTE")
+    vn = one("cache_v (view) (permuted)", "PERMUTE")
+    nq = int(qn.ne[1])
+    pq = sorted((k for k in by if k.startswith("kq_pq")), key=lambda s: int(s[5:]))
+    if pq:
+        layout = "PQ"
+        kq = [one(f"kq_pq{j}", "MUL_MAT") for j in range(nq)]
+        sm = [one(f"kq_soft_max_pq{j}", "SOFT_MAX") for j in range(nq)]
+        av = [one(f"kqv_pq{j}", "MUL_MAT") for j in range(nq)]
+        outs = {
+            "qk": np.stack([np.asarray(t.data)[0, :, 0, :] for t in kq], axis=1),
+            "softmax": np.stack([np.asarray(t.data)[0, :, 0, :] for t in sm], axis=1),
+            "av": np.stack([np.asarray(t.data)[0, :, 0, :] for t in av], axis=1),
+        }
+    else:
+        kq, sm, av = [one("kq", "MUL_MAT")], [one("kq_soft_max", "SOFT_MAX")], [one("kqv", "MUL_MAT")]
+        if kq[0].ne[1] == 1 and kq[0].ne[3] == nq and nq > 1:
+            layout = "QB"
+            outs = {s: np.asarray(t[0].data)[:, :, 0, :].transpose(1, 0, 2)
+                    for s, t in (("qk", kq), ("softmax", sm), ("av", av))}
+        else:
+            layout = "MQ"
+            outs = {s: np.asarray(t[0].data)[0] for s, t in (("qk", kq), ("softmax", sm), ("av", av))}
+    outs = {k: np.ascontiguousarray(v) for k, v in outs.items()}
+    msrc = sm[0].srcs[1] if len(sm[0].srcs) > 1 else None
+    if msrc is None or msrc.data is None:
+        raise ConfigError(f"layer {layer}: the softmax mask operand was not captured")
+    if msrc.view_src is not None and msrc.base_data is not None:
+        mask = Operand(msrc.view_src, msrc.type, msrc.base_ne, msrc.base_nb, np.asarray(msrc.base_data))
+    else:
+        mask = Operand(msrc.name, msrc.type, msrc.ne, msrc.nb, np.asarray(msrc.data))
+    ops = {
+        "q": Operand(qn.name, qn.type, qn.ne, qn.nb, np.asarray(qn.data)),
+        "k": Operand(kn.name, kn.type, kn.ne, kn.nb, np.asarray(kn.data)),
+        "v": Operand(vn.name, vn.type, vn.ne, vn.nb, np.asarray(vn.data)),
+        "mask": mask,
+    }
+    consumed = {}
+    for j, (a, b, c) in enumerate(zip(kq, sm, av)):
+        tag = f"[{j}]" if layout == "PQ" else ""
+        consumed[f"qk{tag}.src0"] = _desc(a.srcs[0])
+        consumed[f"qk{tag}.src1"] = _desc(a.srcs[1])
+        consumed[f"softmax{tag}.mask"] = _desc(b.srcs[1])
+        consumed[f"av{tag}.src0"] = _desc(c.srcs[0])
+    h_q, h_kv = int(qn.ne[2]), int(kn.ne[2])
+    if h_kv == 0 or h_q % h_kv:
+        raise ConfigError(f"layer {layer}: non-integral GQA ratio {h_q}/{h_kv}")
+    r2 = h_q // h_kv
+    return AttnCapture(layer, layout, nq, int(kn.ne[1]), ops, consumed, outs, _f32(sm[0].op_params[0]),
+                       _f32(sm[0].op_params[1]), [a // r2 for a in range(h_q)],
+                       [n for n in nodes if n.op not in ("PERMUTE", "VIEW")] + [qn, kn, vn])
+
+
+def view_maps_ok(cap: AttnCapture) -> bool:
+    """Do the views the layout handed to QK read the canonical Q operand (query j, head a)?"""
+    q = np.asarray(cap.operands["q"].data)[0]  # (h_Q, q, d)
+    for n in cap.nodes:
+        canon = parse_node_name(n.name, n.op)[0]
+        if n.op != "MUL_MAT" or not canon.startswith("kq") or canon.startswith("kqv"):
+            continue
+        s1 = n.srcs[1]
+        if s1.data is None:
+            return False
+        a = np.asarray(s1.data)
+        if cap.layout == "QB":
+            got = a[:, :, 0, :].transpose(1, 0, 2)  # (q, H, 1, d) -> (H, q, d)
+            if not np.array_equal(got, q):
+                return False
+        elif cap.layout == "PQ":
+            j = int(canon[5:])
+            if not np.array_equal(a[0, :, 0, :], q[:, j, :]):
+                return False
+        else:
+            if not np.array_equal(a[0], q):
+                return False
+    return True
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def continuation_tokens(model, prompt_tokens, n: int, base_config=None) -> np.ndarray:
+    """The first n greedy continuation tokens after the whole prompt (native graph)."""
+    from ..runtime import Context, ContextConfig
+
+    from .capture import context_size
+
+    toks = np.asarray(prompt_tokens, dtype=np.int32)
+    cfg = (base_config or ContextConfig(backend=model.backend)).with_(
+        n_ctx=context_size(len(toks) + n), n_batch=max(512, len(toks)), n_ubatch=max(512, len(toks)))
+    out = []
+    with Context(model, cfg) as ctx:
+        ctx.decode(toks, 0)
+        t = ctx.greedy(ctx.logits(-1))
+        for i in range(n):
+            out.append(t)
+            if i + 1 < n:
+                ctx.decode([t], len(toks) + i)
+                t = ctx.greedy(ctx.logits(-1))
+    return np.asarray(out, dtype=np.int32)
+
+
+def _want(layers):
+    keep = set(layers)
+    wanted = {"Qcur (view) (permuted)", "cache_k (view) (permuted)", "cache_v (view) (permuted)",
+              "kq", "kq_soft_max", "kqv"}
+
+    def want(name: str) -> bool:
+        canon, il = parse_node_name(name, "")
+        if il not in keep:
+            return False
+        return canon in wanted or canon.startswith("kq_pq") or canon.startswith("kq_soft_max_pq") \
+            or canon.startswith("kqv_pq")
+
+    def want_srcs(name: str) -> bool:
+        canon, il = parse_node_name(name, "")
+        return il in keep and canon.split("_pq")[0] in ("kq", "kq_soft_max", "kqv")
+
+    return want, want_srcs
+
+
+@dataclass
+class PhaseRun:
+    phase: str
+    q: int
+    layout: str
+    captures: dict  # layer -> AttnCapture (first capture)
+    repeats: dict  # layer -> AttnCapture (repeat)
+    onoff_equal: bool
+    onoff_max_abs: float
+    admission: object
+    visible: tuple  # visible keys of the first and last query
+    built: str
+    identity: dict = field(default_factory=dict)
+
+
+def run_phase(model, prompt_tokens, cont_tokens, phase: str, q: int, layout: str, layers, base_config=None):
+    if phase not in PHASES:
+        raise ConfigError(f"phase must be one of {PHASES}, got {phase!r}")
+    if isinstance(q, bool) or not isinstance(q, (int, np.integer)) or not 1 <= q <= MAX_Q:
+        raise ConfigError(f"q must be an integer in 1..{MAX_Q} (occupied queries), got {q!r}")
+    if phase == "prefill":
+        if len(prompt_tokens) < q:
+            raise ConfigError(f"the prompt has {len(prompt_tokens)} tokens, fewer than q={q}")
+        toks, prefix = prompt_tokens[:q], None
+    else:
+        toks, prefix = cont_tokens[:q], prompt_tokens
+    geo = Geometry(Schedule(f"q{q}", (q,), max(q, 1), 512), layout)
+    want, want_srcs = _want(layers)
+    kw = dict(logits="all", prefix=prefix)
+    r1 = run_graph(model, toks, geo, base_config, want=want, want_srcs=want_srcs, **kw)
+    r2 = run_graph(model, toks, geo, base_config, want=want, want_srcs=want_srcs, **kw)
+    r0 = run_graph(model, toks, geo, base_config, capture=False, **kw)
+    caps = {L: extract_attention(r1, L) for L in layers}
+    reps = {L: extract_attention(r2, L) for L in layers}
+    la, lb = r1.extra["out_logits"], r0.extra["out_logits"]
+    onoff = la.tobytes() == lb.tobytes()
+    n0 = 0 if prefix is None else len(prefix)
+    adm = r1.extra["admissions"][-1] if r1.extra["admissions"] else None
+    built = caps[layers[0]].layout
+    return PhaseRun(phase, q, layout, caps, reps, onoff, float(np.abs(la.astype(np.float64) - lb).max()) if la.size
+                    else 0.0, adm, (n0 + 1, n0 + q), built, r1.identity)
+
+
+def _same(a: AttnCapture, b: AttnCapture) -> bool:
+    if a.hashes() != b.hashes():
+        return False
+    return all(a.outputs[s].tobytes() == b.outputs[s].tobytes() for s in STAGES)
+
+
+def _diff(x: np.ndarray, y: np.ndarray):
+    from .oracles import ulp_distance
+
+    if x.shape != y.shape:
+        return False, np.nan, -1
+    eq = x.tobytes() == y.tobytes()
+    fx, fy = x.astype(np.float64), y.astype(np.float64)
+    fin = np.isfinite(fx) & np.isfinite(fy)
+    mx = float(np.abs(fx[fin] - fy[fin]).max()) if fin.any() else 0.0
+    u = ulp_distance(x, y, nan="sentinel")
+    return eq, mx, int(u.max()) if u.size else 0
+
+
+def run_e1(model, prompt_tokens, *, layers=None, phases=PHASES, qs=(1, 2, 3, 4), layouts=LAYOUTS,
+           base_config=None, progress=None):
+    """Run E1 over layers x phases x qs (see module doc). Returns (xarray.Dataset, detail)."""
+    import xarray as xr
+
+    from ..runtime import layouts as lay_api
+
+    n_layer = model.n_layer
+    layers = [0, n_layer // 2, n_layer - 1] if layers is None else [check_layer(model, int(x)) for x in layers]
+    layers = sorted(set(layers))
+    qs = tuple(int(q) if not isinstance(q, bool) else q for q in qs)
+    for q in qs:
+        if isinstance(q, bool) or not 1 <= q <= MAX_Q:
+            raise ConfigError(f"q must be in 1..{MAX_Q} (occupied queries), got {q!r}")
+    for ph in phases:
+        if ph not in PHASES:
+            raise ConfigError(f"unknown phase {ph!r}; use prefill and/or continuation")
+    for lo in layouts:
+        if lo not in LAYOUTS:
+            raise ConfigError(f"unknown layout {lo!r}; use MQ, PQ, QB")
+    toks = np.asarray(prompt_tokens, dtype=np.int32)
+    if len(toks) < max(qs):
+        raise ConfigError(f"the prompt has {len(toks)} tokens, fewer than q={max(qs)}")
+    avail = {lo: (lo == "MQ" or lay_api.available()) for lo in layouts}
+    cont = continuation_tokens(model, toks, max(qs), base_config) if "continuation" in phases else None
+    runs: dict[tuple, PhaseRun] = {}
+    for ph in phases:
+        for q in qs:
+            for lo in layouts:
+                if not avail[lo]:
+                    continue
+                if progress:
+                    progress(f"{ph} q={q} {lo}")
+                runs[(ph, q, lo)] = run_phase(model, toks, cont, ph, q, lo, layers, base_config)
+
+    nL, nP, nQ, nY, nS, nR = len(layers), len(phases), len(qs), len(layouts), len(STAGES), len(PAIRS)
+    observed = np.zeros((nL, nP, nQ, nY), dtype=np.int8)
+    repeat = np.zeros_like(observed)
+    onoff = np.zeros_like(observed)
+    viewmap = np.zeros_like(observed)
+    built = np.full((nL, nP, nQ, nY), "", dtype=object)
+    reason = np.full((nL, nP, nQ, nY), "", dtype=object)
+    operands_same = np.zeros((nL, nP, nQ), dtype=np.int8)
+    n_kv = np.zeros((nL, nP, nQ), dtype=int)
+    vis0 = np.zeros((nL, nP, nQ), dtype=int)
+    vis1 = np.zeros((nL, nP, nQ), dtype=int)
+    scale = np.zeros((nL, nP, nQ))
+    status = np.full((nL, nP, nQ, nR), "", dtype=object)
+    equal = np.full((nL, nP, nQ, nR, nS), -1, dtype=np.int8)
+    maxabs = np.full((nL, nP, nQ, nR, nS), np.nan)
+    maxulp = np.full((nL, nP, nQ, nR, nS), -1, dtype=np.int64)
+    hashes = {}
+    for li, L in enumerate(layers):
+        for pi, ph in enumerate(phases):
+            for qi, q in enumerate(qs):
+                ok_layouts = {}
+                for yi, lo in enumerate(layouts):
+                    if not avail[lo]:
+                        observed[li, pi, qi, yi] = repeat[li, pi, qi, yi] = onoff[li, pi, qi, yi] = -1
+                        viewmap[li, pi, qi, yi] = -1
+                        reason[li, pi, qi, yi] = NOT_AVAILABLE
+                        continue
+                    r = runs[(ph, q, lo)]
+                    c = r.captures[L]
+                    built[li, pi, qi, yi] = c.layout
+                    obs = c.layout == lo or q == 1
+                    observed[li, pi, qi, yi] = obs
+                    repeat[li, pi, qi, yi] = _same(c, r.repeats[L])
+                    onoff[li, pi, qi, yi] = r.onoff_equal
+                    viewmap[li, pi, qi, yi] = view_maps_ok(c)
+                    why = [w for w, good in (("not observed as " + lo + f" (built {c.layout})", obs),
+                                             ("repeat differs", repeat[li, pi, qi, yi]),
+                                             ("capture on/off logits differ", r.onoff_equal),
+                                             ("layout views do not read the canonical Q", viewmap[li, pi, qi, yi]))
+                           if not good]
+                    reason[li, pi, qi, yi] = "; ".join(why) if why else "ok"
+                    if not why:
+                        ok_layouts[lo] = c
+                    n_kv[li, pi, qi] = c.n_kv
+                    vis0[li, pi, qi], vis1[li, pi, qi] = r.visible
+                    scale[li, pi, qi] = c.scale
+                    hashes[(L, ph, q, lo)] = c.hashes()
+                hs = [hashes[(L, ph, q, lo)] for lo in layouts if (L, ph, q, lo) in hashes]
+                same_ops = all(h == hs[0] for h in hs) if hs else False
+                operands_same[li, pi, qi] = same_ops
+                for ri, (x, y) in enumerate(PAIRS):
+                    if x not in layouts or y not in layouts:
+                        status[li, pi, qi, ri] = "not requested"
+                        continue
+                    if not (avail[x] and avail[y]):
+                        status[li, pi, qi, ri] = NOT_AVAILABLE
+                        continue
+                    if x not in ok_layouts or y not in ok_layouts:
+                        status[li, pi, qi, ri] = "withheld: a control failed"
+                        continue
+                    if not same_ops:
+                        status[li, pi, qi, ri] = "withheld: operands differ across layouts"
+                        continue
+                    status[li, pi, qi, ri] = "compared"
+                    for si, st in enumerate(STAGES):
+                        e, m, u = _diff(ok_layouts[x].outputs[st], ok_layouts[y].outputs[st])
+                        equal[li, pi, qi, ri, si] = e
+                        maxabs[li, pi, qi, ri, si] = m
+                        maxulp[li, pi, qi, ri, si] = u
+    ds = xr.Dataset(
+        {
+            "observed": (("layer", "phase", "q", "layout"), observed),
+            "repeat_equal": (("layer", "phase", "q", "layout"), repeat),
+            "capture_onoff_equal": (("layer", "phase", "q", "layout"), onoff),
+            "views_read_canonical_q": (("layer", "phase", "q", "layout"), viewmap),
+            "built_layout": (("layer", "phase", "q", "layout"), built.astype(str)),
+            "control_reason": (("layer", "phase", "q", "layout"), reason.astype(str)),
+            "operands_identical": (("layer", "phase", "q"), operands_same),
+            "n_kv": (("layer", "phase", "q"), n_kv),
+            "visible_first": (("layer", "phase", "q"), vis0),
+            "visible_last": (("layer", "phase", "q"), vis1),
+            "softmax_scale": (("layer", "phase", "q"), scale),
+            "status": (("layer", "phase", "q", "pair"), status.astype(str)),
+            "bitwise_equal": (("layer", "phase", "q", "pair", "stage"), equal),
+            "max_abs": (("layer", "phase", "q", "pair", "stage"), maxabs),
+            "max_ulp": (("layer", "phase", "q", "pair", "stage"), maxulp),
+        },
+        coords={"layer": layers, "phase": list(phases), "q": list(qs), "layout": list(layouts),
+                "pair": [f"{x}-{y}" for x, y in PAIRS], "stage": list(STAGES)},
+    )
+    any_cap = next(iter(runs.values())).captures[layers[0]] if runs else None
+    ds.attrs.update({
+        "title": "statelab E1: same-input attention correspondence (MQ/PQ/QB)",
+        "n_prompt": int(len(toks)), "layouts_available": ",".join(lo for lo in layouts if avail[lo]),
+        "layout_patch": int(lay_api.available()),
+        "head_map": (f"query head a -> KV head a // {len(any_cap.head_map) // (max(any_cap.head_map) + 1)} "
+                     f"({any_cap.head_map})") if any_cap else "",
+        "model_sha256": model.sha256,
+        "note": "bitwise equality decides; max_abs and max_ulp describe (no tolerance). "
+                "-1 in a control or bitwise_equal: not evaluated",
+    })
+    return ds, {"runs": runs, "continuation_tokens": cont, "hashes": hashes}
+
+
+def e1_markdown(ds) -> str:
+    def cell(li, pi, qi, ri):
+        st = str(ds["status"].values[li, pi, qi, ri])
+        if st != "compared":
+            return st
+        parts = []
+        for si, s in enumerate(STAGES):
+            e = int(ds["bitwise_equal"].values[li, pi, qi, ri, si])
+            if e == 1:
+                parts.append(f"{s} =")
+            else:
+                m = float(ds["max_abs"].values[li, pi, qi, ri, si])
+                u = int(ds["max_ulp"].values[li, pi, qi, ri, si])
+                parts.append(f"{s} ≠ {m:.3g} ({u} ulp)")
+        return ", ".join(parts)
+
+    a = ds.attrs
+    lines = ["# E1: same-input attention correspondence", "",
+             f"Prompt tokens: {a['n_prompt']}; layouts available: {a['layouts_available']} "
+             f"(layout patch {'present' if a['layout_patch'] else 'missing'}); head map: {a['head_map']}.", "",
+             "Controls per layout: observed / repeat bitwise / capture on-off logits / layout views read the "
+             "canonical Q (1 pass, 0 fail, - not available). A comparison is withheld when a control fails or "
+             "when the operands differ across layouts (at deeper layers the earlier layers already ran under "
+             "each layout; the standalone replay compares the layouts on the frozen MQ operands instead).", "",
+             "| layer | phase | q | visible keys | n_kv | controls " + " ".join(f"{lo}" for lo in ds["layout"].values)
+             + " | operands identical | " + " | ".join(ds["pair"].values) + " |",
+             "| --- | --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in ds["pair"].values) + " |"]
+
+    def c(v):
+        return "-" if int(v) < 0 else str(int(v))
+
+    for li, L in enumerate(ds["layer"].values):
+        for pi, ph in enumerate(ds["phase"].values):
+            for qi, q in enumerate(ds["q"].values):
+                ctl = " ".join(
+                    f"{c(ds['observed'].values[li, pi, qi, yi])}{c(ds['repeat_equal'].values[li, pi, qi, yi])}"
+                    f"{c(ds['capture_onoff_equal'].values[li, pi, qi, yi])}"
+                    f"{c(ds['views_read_canonical_q'].values[li, pi, qi, yi])}"
+                    for yi in range(ds.sizes["layout"]))
+                lines.append(
+                    f"| {L} | {ph} | {q} | {int(ds['visible_first'].values[li, pi, qi])}.."
+                    f"{int(ds['visible_last'].values[li, pi, qi])} | {int(ds['n_kv'].values[li, pi, qi])} | {ctl} | "
+                    f"{'yes' if ds['operands_identical'].values[li, pi, qi] == 1 else 'no'} | "
+                    + " | ".join(cell(li, pi, qi, ri) for ri in range(ds.sizes["pair"])) + " |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+
+
+# --------------------------------------------------------------------------- frozen captures on disk
+
+CAPTURE_FORMAT = "statelab-attention-capture/1"
+
+
+def save_capture(cap: AttnCapture, identity: dict, path, meta: dict | None = None):
+    """Write a frozen attention capture (operands, outputs, parameters, identity) to a folder."""
+    import json
+    from pathlib import Path
+
+    from ..paths import atomic_write_bytes, atomic_write_text
+
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    arrays = {f"operand_{k}": np.asarray(v.data) for k, v in cap.operands.items()}
+    arrays.update({f"output_{k}": v for k, v in cap.outputs.items()})
+    import io
+
+    bio = io.BytesIO()
+    np.savez(bio, **arrays)
+    atomic_write_bytes(p / "tensors.npz", bio.getvalue())
+    manifest = {
+        "format": CAPTURE_FORMAT, "layer": cap.layer, "layout": cap.layout, "q": cap.q, "n_kv": cap.n_kv,
+        "scale": cap.scale, "max_bias": cap.max_bias, "head_map": cap.head_map,
+        "operands": {k: v.describe() for k, v in cap.operands.items()}, "consumed": cap.consumed,
+        "model_sha256": identity.get("model_sha256"), "identity": identity, **(meta or {}),
+    }
+    atomic_write_text(p / "manifest.json", json.dumps(manifest, indent=1, default=str))
+    return p
+
+
+def load_capture(path, model=None) -> tuple[AttnCapture, dict]:
+    """Read a folder written by :func:`save_capture`; with `model`, refuse a capture of another model."""
+    import json
+    from pathlib import Path
+
+    from ..errors import IdentityError
+
+    p = Path(path)
+    mf = p / "manifest.json"
+    if not mf.is_file():
+        raise ConfigError(f"not an attention capture folder (no manifest.json): {p}")
+    try:
+        man = json.loads(mf.read_text())
+    except ValueError as e:
+        raise ConfigError(f"unreadable capture manifest {mf}: {e}") from None
+    if man.get("format") != CAPTURE_FORMAT:
+        raise ConfigError(f"{p} is not a {CAPTURE_FORMAT} folder (format {man.get('format')!r})")
+    if model is not None and man.get("model_sha256") != model.sha256:
+        raise IdentityError(f"the capture in {p} was made with model {str(man.get('model_sha256'))[:16]}…, "
+                            f"not {model.path.name} ({model.sha256[:16]}…)")
+    with np.load(p / "tensors.npz") as z:
+        ops = {}
+        for k, d in man["operands"].items():
+            ops[k] = Operand(d["name"], d["type"], tuple(d["ne"]), tuple(d["nb"]), z[f"operand_{k}"])
+            if ops[k].sha256 != d["sha256"]:
+                raise IdentityError(f"operand {k} of {p} does not match its recorded sha256 (file changed)")
+        outs = {s: z[f"output_{s}"] for s in STAGES}
+    cap = AttnCapture(int(man["layer"]), man["layout"], int(man["q"]), int(man["n_kv"]), ops, man["consumed"], outs,
+                      float(man["scale"]), float(man["max_bias"]), list(man["head_map"]))
+    return cap, man
+
+
+__all__ = ["AttnCapture", "CAPTURE_FORMAT", "LAYOUTS", "NOT_AVAILABLE", "Operand", "PAIRS", "PHASES", "STAGES",
+           "continuation_tokens", "load_capture", "save_capture",
+           "e1_markdown", "extract_attention", "run_e1", "run_phase", "view_maps_ok"]

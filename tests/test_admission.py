@@ -1,0 +1,69 @@
+"""Backend admission of the MQ/PQ/QB attention operators (ggml_backend_dev_supports_op)."""
+import pytest
+
+from statelab.audit.admission import AttnShape, admission_markdown, build_layout, run_admission
+from statelab.errors import ConfigError
+from statelab.runtime import layouts, list_devices
+from statelab.runtime.ggml_ops import OpGraph
+
+pytestmark = pytest.mark.model
+
+
+def _devices(registry):
+    return [d for d in list_devices() if d.registry.lower() == registry]
+
+
+def test_qb_view_shapes_are_the_papers():
+    shape = AttnShape()  # SmolLM2-135M: d 64, 9 query heads, 3 KV heads
+    with OpGraph() as g:
+        qb = build_layout(g, shape, "QB", 3)
+        kq = qb["qk"][0]
+        k, q = kq.srcs
+        assert k.ne == (64, 256, 3, 1) and q.ne == (64, 1, 9, 3)
+        assert q.nb[3] == q.nb[1] == 4 * 64 * 9  # the query-column stride
+        mask = qb["softmax"][0].srcs[1]
+        assert mask.ne == (256, 1, 1, 3) and mask.nb[3] == mask.nb[1] == 4 * 256
+        assert qb["av"][0].ne == (64, 1, 9, 3)
+        pq = build_layout(g, shape, "PQ", 3)
+        assert len(pq["qk"]) == 3 and pq["concat"][-1].ne == (64, 3, 9, 1)
+        mq = build_layout(g, shape, "MQ", 3)
+        assert mq["qk"][0].ne == (256, 3, 9, 1)
+
+
+def test_cpu_accepts_every_layout(model):
+    ds = run_admission(AttnShape.of_model(model), qs=(1, 2, 4), devices=_devices("cpu"), model=model)
+    cpu = ds.sel(device="CPU:CPU")
+    assert (cpu["supported"].where(ds["n_calls"] > 0, 1) == 1).all()
+    assert "MUL_MAT (64,256,3,1) x (64,1,9,2) -> (256,1,9,2)" in str(ds["shapes"].sel(layout="QB", q=2, op="qk").item())
+    md = admission_markdown(ds)
+    assert "| QB | 4 | qk | 1 |" in md
+    if layouts.available():
+        assert ds["runtime_built"].sel(layout="QB", q=2).item() == "QB"
+        assert ds["runtime_built"].sel(layout="QB", q=1).item() == "MQ"  # trivial
+    else:
+        assert (ds["runtime_reason"] == "not available (patch missing)").all()
+
+
+def test_vulkan_rejects_the_qb_batch_broadcast():
+    vk = _devices("vulkan")
+    if not vk:
+        reason = "no Vulkan device in this build/machine (lavapipe: GGML_VK_VISIBLE_DEVICES=0 and a Vulkan build)"
+        print(f"SKIP: {reason}")
+        pytest.skip(reason)
+    ds = run_admission(AttnShape(), qs=(1, 2), devices=vk)
+    dev = ds["device"].values[0]
+    sup = ds["supported"].sel(device=dev)
+    # ggml_backend_vk_device_supports_op: mul_mat needs src0->ne[3] == src1->ne[3]; QB has (1, q)
+    assert int(sup.sel(layout="QB", q=2, op="qk")) == 0 and int(sup.sel(layout="QB", q=2, op="av")) == 0
+    assert int(sup.sel(layout="MQ", q=2, op="qk")) == 1 and int(sup.sel(layout="PQ", q=2, op="qk")) == 1
+    assert int(sup.sel(layout="QB", q=1, op="qk")) == 1
+
+
+def test_bad_input():
+    with pytest.raises(ConfigError, match="q \\(occupied queries\\)"):
+        run_admission(AttnShape(), qs=(0,))
+    with pytest.raises(ConfigError, match="GQA"):
+        run_admission(AttnShape(h_q=8, h_kv=3), qs=(2,))
+    with pytest.raises(ConfigError, match="unknown layout"):
+        with OpGraph() as g:
+            build_layout(g, AttnShape(), "XB", 2)
