@@ -281,12 +281,16 @@ def sweep(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEva
 def demo(model: Optional[Path] = ModelOpt, backend: str = BackendOpt, cap: int = CapOpt,
          tasks: Optional[str] = typer.Option(None, help="comma list of prompts (default: HumanEval/0,2,10 on cpu; "
                                              "10,20,86 elsewhere, all longer than B's 128-token split)"),
-         threads: int = ThreadsOpt, out: Path = typer.Option(Path("runs/demo"), help="report folder")):
+         threads: int = ThreadsOpt, out: Path = typer.Option(Path("runs/demo"), help="report folder"),
+         matrix: bool = typer.Option(True, "--matrix/--no-matrix", help="run the 12-selector matrix (both "
+                                     "directions, 2 repeats) and the frontier panels where it finds donor effects"),
+         matrix_cap: int = typer.Option(48, help="output cap of the selector matrix and frontier panels")):
     """The main job: a partition study on a few HumanEval prompts (natural arms, shams,
     whole-KV crosses both ways) with arms that differ on this backend."""
     from . import demo as demo_mod
 
-    demo_mod.run(console, model, backend, cap, (tasks or demo_mod.default_tasks(backend)).split(","), threads, out)
+    demo_mod.run(console, model, backend, cap, (tasks or demo_mod.default_tasks(backend)).split(","), threads, out,
+                 frontier_cap=matrix_cap, matrix=matrix, matrix_cap=matrix_cap)
 
 
 # ---------------------------------------------------------------------------- study

@@ -6,6 +6,7 @@ ways, summarised as a table and written to a Markdown report.
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -20,6 +21,44 @@ from .paths import atomic_write_text
 def default_tasks(backend: str) -> str:
     """Prompts whose natural endpoints differ between the backend's arms (measured: docs/findings.md)."""
     return "HumanEval/0,HumanEval/2,HumanEval/10" if backend == "cpu" else "HumanEval/10,HumanEval/20,HumanEval/86"
+
+
+def default_matrix_tasks(backend: str) -> list[str]:
+    """One prompt longer than 128 tokens (PREFIX and TAIL differ) and one shorter; on CPU both have A/R
+    natural endpoints that differ within 48 outputs (HumanEval/20 at 18, HumanEval/2 at 26)."""
+    return ["HumanEval/20", "HumanEval/2"] if backend == "cpu" else ["HumanEval/10", "HumanEval/86"]
+
+
+SELECTOR_MATRIX = ["EMPTY", "ALL", "L0_K", "L0_V", "L0", "K_ALL", "V_ALL", "EARLY", "MIDDLE", "LATE", "PREFIX",
+                   "TAIL"]
+
+
+def selector_matrix(console, model_path, backend: str, arms: dict, tasks: list[str], cap: int, threads: int,
+                    out: Path) -> tuple[str, list[str]]:
+    """The 12-selector matrix in both directions with 2 repeats (a study run: fresh worker
+    processes, resumable).  Returns the report section and the prompts where some subset
+    cross reproduced the donor (class B): the inputs the frontier panels look at."""
+    import xarray as xr
+
+    from .study.progress import RichReporter
+    from .study.runner import run_study
+
+    names = list(arms)[:2]
+    lines = [f'name = "demo-selector-matrix-{backend}"', f'backend = "{backend}"', f"threads = {threads}",
+             f"cap = {cap}", "repeats = 2", f"prompts = {json.dumps(tasks)}", f"selectors = {json.dumps(SELECTOR_MATRIX)}",
+             f'directions = ["{names[0]}->{names[1]}", "{names[1]}->{names[0]}"]']
+    if model_path is not None:
+        lines.append(f'model = "{Path(model_path).resolve()}"')
+    lines += ["", "[arms]"] + [f'{n} = "{arms[n].name}"' for n in names]
+    spec_path = Path(out).with_suffix(".toml")
+    atomic_write_text(spec_path, "\n".join(lines) + "\n")
+    summary = run_study(spec_path, out, executor="local", workers=2, reporter=RichReporter(console))
+    ds = xr.load_dataset(summary.results)
+    effects = [str(t) for t in ds["task"].values if (ds["klass"].sel(task=t) == "B").any()]
+    report = Path(summary.report).read_text()
+    console.print(f"selector matrix: {summary.ran} cells run ({summary.skipped} resumed), report {summary.report}; "
+                  f"donor effects (class B) on: {', '.join(effects) or 'none'}")
+    return "## Selector matrix\n\n" + report.split("\n", 1)[1], effects
 
 
 def arms_for(backend: str) -> dict:
@@ -50,7 +89,8 @@ def frontier_section(model, base, prompts, cap: int = 48, console=None, directio
 
 
 def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: int, out: Path,
-        frontier_tasks: list[str] | None = None, frontier_cap: int = 48):
+        frontier_tasks: list[str] | None = None, frontier_cap: int = 48, matrix: bool = True,
+        matrix_tasks: list[str] | None = None, matrix_cap: int = 48):
     from . import prompts
     from .receiver import check_cap
     from .runtime import ContextConfig, Model, prepare_backend
@@ -80,6 +120,12 @@ def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: 
                   "cross classes: B reproduces the donor, C third trajectory, D keeps the recipient.")
     report = (f"# statelab demo ({backend})\n\nmodel: {model.info.name} ({model.sha256[:16]})\n\n"
               f"## Partition study (arms {', '.join(arms)}, cap {cap})\n\n" + markdown_table(rows))
+    if matrix:
+        section, effects = selector_matrix(console, model_path, backend, arms, matrix_tasks or default_matrix_tasks(backend),
+                                           matrix_cap, threads, Path(out) / "selector-matrix")
+        report += "\n" + section
+        if frontier_tasks is None:
+            frontier_tasks = effects
     if frontier_tasks:
         report += "\n" + frontier_section(model, base, frontier_tasks, frontier_cap, console)
     atomic_write_text(Path(out) / "report.md", report)
