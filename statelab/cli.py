@@ -20,6 +20,7 @@ err = Console(stderr=True)
 
 ModelOpt = typer.Option(None, "--model", "-m", help="GGUF model file (default: the embedded SmolLM2-135M-Instruct)")
 BackendOpt = typer.Option("cpu", "--backend", "-b", help="cpu, cuda or vulkan")
+BackendLongOpt = typer.Option("cpu", "--backend", help="cpu, cuda or vulkan")  # where -b means something else
 CapOpt = typer.Option(128, "--cap", help="output cap (generated tokens)")
 ThreadsOpt = typer.Option(0, "--threads", help="CPU threads (0: all cores)")
 CtxOpt = typer.Option(1024, "--n-ctx", help="context size")
@@ -584,7 +585,7 @@ def audit_e1(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
              layouts_: str = typer.Option("MQ,PQ,QB", "--layouts"),
              replay: bool = typer.Option(True, "--replay/--no-replay", help="also replay the frozen MQ operands "
                                          "as MQ/PQ/QB standalone graphs"),
-             backend: str = BackendOpt, threads: int = ThreadsOpt, out: Optional[Path] = AuditOutOpt):
+             backend: str = BackendLongOpt, threads: int = ThreadsOpt, out: Optional[Path] = AuditOutOpt):
     """E1: capture Q/K/V/mask and QK/softmax/AV at target layers under MQ, PQ and QB
     (controls first), compare bitwise with max |d| and ULP (default prompt HumanEval/2)."""
     from .audit.capture import parse_layers
@@ -625,7 +626,7 @@ def replay_cmd(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Hum
                                                           "capture (from 'audit e1 --out') instead"),
                device: Optional[str] = typer.Option(None, "--device", help="backend device for the replay "
                                                     "(default: CPU)"),
-               backend: str = BackendOpt, threads: int = ThreadsOpt, out: Optional[Path] = AuditOutOpt):
+               backend: str = BackendLongOpt, threads: int = ThreadsOpt, out: Optional[Path] = AuditOutOpt):
     """Operator replay: re-run captured operator calls of a layer (own-path correspondence,
     in-place aliasing excluded) and its attention operands as MQ/PQ/QB standalone graphs."""
     import numpy as np
@@ -700,7 +701,7 @@ def locate_cmd(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Hum
                layers: str = typer.Option("all", "--layers", help="captured layers: all, 0, 0-3, first,last"),
                logits: str = typer.Option("last", "--logits", help="last (prefill) or all (every row an output)"),
                max_tokens: int = typer.Option(0, "--max-tokens", help="use only the first N prompt tokens (0: all)"),
-               backend: str = BackendOpt, threads: int = ThreadsOpt, out: Optional[Path] = AuditOutOpt,
+               backend: str = BackendLongOpt, threads: int = ThreadsOpt, out: Optional[Path] = AuditOutOpt,
                json_out: bool = typer.Option(False, "--json", help="print the first divergence as JSON")):
     """Divergence locator: capture every graph node under two geometries and name the first
     node (layer, op) whose outputs differ on the same token positions."""

@@ -65,10 +65,12 @@ def continue_greedy(ctx, logits0: np.ndarray, n_past: int, cap: int = DEFAULT_CA
             break
         ctx.decode([tok], n_past)  # the pending token enters KV exactly once
         n_past += 1
-        lg = ctx.logits(-1)
         if trace:
+            lg = ctx.logits(-1)
             rows.append(lg)
-        tok = ctx.greedy(lg)
+            tok = ctx.greedy(lg)
+        else:
+            tok = ctx.greedy_row(-1)
         out.append(tok)
         if on_token is not None:
             on_token(len(out))

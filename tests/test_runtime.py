@@ -74,3 +74,13 @@ def test_schedule_presets_are_the_papers():
     assert PRESETS["B"].submissions(200) == [128, 72]
     assert PRESETS["C"].n_ubatch == 128 and PRESETS["R"].n_ubatch == 1
     assert parse_schedule("132+1").submissions(133) == [132, 1]
+
+
+def test_greedy_in_place_equals_greedy_on_the_copied_vector(model, base_config, he):
+    tokens = model.tokenize(he(2).text)
+    with Context(model, base_config) as ctx:
+        ctx.decode(tokens, 0)
+        for step in range(6):
+            t_copy = ctx.greedy(ctx.logits(-1))
+            assert ctx.greedy_row(-1) == t_copy
+            ctx.decode([t_copy], len(tokens) + step)

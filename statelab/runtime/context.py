@@ -328,6 +328,11 @@ class Context:
         L.llama_sampler_apply(self._greedy, ctypes.byref(arr))
         return int(cand["id"][arr.selected])
 
+    def greedy_row(self, row: int = -1) -> int:
+        """The native greedy sampler on a row's logits of the last decode call, read in place
+        (llama_sampler_sample): the same choice as greedy(logits(row)) without the copy."""
+        return int(llama().llama_sampler_sample(self._greedy, self.ptr, row))
+
     # -- memory / state ---------------------------------------------------
     def clear(self) -> None:
         llama().llama_memory_clear(self.mem, True)
