@@ -1,0 +1,66 @@
+"""A few tokens on a Vulkan device (lavapipe in CI). Runs in a subprocess, because the
+Vulkan backend reads GGML_VK_VISIBLE_DEVICES once, when it registers."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.model, pytest.mark.vulkan]
+
+PROBE = """
+import json
+from statelab.runtime import prepare_backend
+prepare_backend("vulkan")
+from statelab.runtime.native import build_identity, list_devices
+print(json.dumps({"build": build_identity().get("backend"),
+                  "devices": [d.registry + ":" + d.name + ":" + d.description for d in list_devices()]}))
+"""
+
+RUN = """
+import json, sys
+from statelab import prompts
+from statelab.formation import PRESETS, form
+from statelab.intervene import natural
+from statelab.kvstate import compare
+from statelab.runtime import ContextConfig, Model, prepare_backend
+prepare_backend("vulkan")
+m = Model(None, backend="vulkan")
+base = ContextConfig(backend="vulkan", n_ctx=512)
+p = prompts.humaneval(10)  # 160 tokens: C (ubatch 128) partitions it internally, A does not
+a, ea = natural(m, p, PRESETS["A"], base, cap=3)
+c = form(m, p, PRESETS["C"], base)
+d = compare(a.state, c.state)
+print(json.dumps({"n_prompt": a.n_prompt, "tokens": ea.tokens.tolist(), "device": m.device_name,
+                  "kv_identical": d.identical, "kv_max_abs": d.max_abs, "first_layer": d.first_differing_layer,
+                  "logits_identical": a.logits.tobytes() == c.logits.tobytes()}))
+"""
+
+
+def _run(code, timeout=900):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def vulkan_device():
+    r = _run(PROBE, 120)
+    if r.returncode != 0:
+        pytest.fail(f"probe failed: {r.stderr[-1500:]}")
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    vk = [d for d in info["devices"] if d.lower().startswith("vulkan")]
+    if not vk:
+        reason = f"no Vulkan device (build {info['build']}, devices {info['devices']})"
+        print(f"SKIP: {reason}")
+        pytest.skip(reason)
+    return vk[0]
+
+
+def test_vulkan_generates_and_partition_changes_the_state(vulkan_device):
+    r = _run(RUN)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"Vulkan {vulkan_device}: {res}")
+    assert res["n_prompt"] == 160 and len(res["tokens"]) == 3
+    assert res["device"] != "CPU"
+    # ARCHITECTURE.md / paper 6.1: internal partition (C, ubatch 128) forms another state
+    assert not res["kv_identical"], "A and C formed identical states on Vulkan"
