@@ -15,7 +15,7 @@ from .errors import StatelabError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="KV-state formation, intervention and transplantation on llama.cpp.")
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 160)  # logs keep whole table rows
 err = Console(stderr=True)
 
 ModelOpt = typer.Option(None, "--model", "-m", help="GGUF model file (default: the embedded SmolLM2-135M-Instruct)")

@@ -24,9 +24,9 @@ case "${1:-build}" in
     sl generate -H 0 --cap 64 --backend cuda 2>&1 | tee "$OUT/generate.txt"
     ;;
   study)
-    sl demo --backend cuda --cap 128 --tasks HumanEval/0,HumanEval/2,HumanEval/4,HumanEval/9,HumanEval/10 \
-      --out "$OUT/demo" 2>&1 | tee "$OUT/demo.txt"
+    sl demo --backend cuda --cap 128 --no-matrix --out "$OUT/demo" 2>&1 | tee "$OUT/demo.txt"
     sl sweep -H 10 --backend cuda --cap 128 --json "$OUT/sweep_he10.json" 2>&1 | tee "$OUT/sweep.txt"
+    [ "${2:-}" = "partition-only" ] && exit 0
     sl capture "$OUT/cap_cuda_A" -H 2 -s A --backend cuda
     sl capture "$OUT/cap_cuda_C" -H 2 -s C --backend cuda
     sl capture "$OUT/cap_cpu_A" -H 2 -s A --backend cpu
