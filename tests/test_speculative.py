@@ -112,3 +112,28 @@ def test_rollback_path_with_a_truncated_draft(model, he, tmp_path):
     # verification of k+1 rows at ubatch 4 may differ numerically from single-row M0 decode:
     # record, don't assume; but the committed tokens are the target's greedy choices
     assert c0.endpoint.tokens[0] == m0.endpoint.tokens[0]
+
+
+@pytest.mark.model
+def test_qb_panel_reports_every_arm_against_r(model, he, capsys):
+    """A HumanEval panel: every arm gets a verdict against R; PQ and QB, which are bitwise
+    equal in attention, must give identical endpoints and counters."""
+    from statelab.runtime import layouts
+
+    if not layouts.available():
+        pytest.skip("attention-layout patch not in this build")
+    runner = Runner(model, model, SpecConfig(k=3, ubatch=4, mask=3, cap=CAP))
+    rows = []
+    for task in ("HumanEval/2", "HumanEval/4"):
+        res = qualify([runner.run(a, he(task)) for a in ("R", "M0", "M_QB", "M_PQ", "C_QB", "C_PQ")])
+        by = {r.arm: r for r in res}
+        for x, y in (("M_QB", "M_PQ"), ("C_QB", "C_PQ")):
+            assert by[x].endpoint.same(by[y].endpoint), f"{task}: {x} and {y} differ"
+            assert by[x].counters.as_dict() == by[y].counters.as_dict()
+        assert by["C_QB"].counters.layout_not_admitted == 0
+        rows += [(task, r.arm, r.qualified, r.first_diff) for r in res]
+    with capsys.disabled():
+        print("\nqualification against R (CPU, cap %d):" % CAP)
+        for row in rows:
+            print("  %s %-5s qualified=%s first_diff=%s" % row)
+    assert all(q is not None for _, _, q, _ in rows)

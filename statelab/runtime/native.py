@@ -4,10 +4,12 @@ This package is the only place in statelab that imports llama_cpp.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -39,9 +41,32 @@ def llama():
         raise NativeBuildError(f"the native build (llama_cpp) is not installed: {e}; {INSTALL_HINT}") from None
     except (OSError, RuntimeError, FileNotFoundError) as e:
         raise NativeBuildError(f"the native library failed to load: {e}; {INSTALL_HINT}") from None
-    mod.llama_backend_init()
     mod.llama_log_set(_LOG_CB, None)
+    # Backends register on first use and some print straight to stderr (a Vulkan build on a
+    # machine without a usable device says "ggml_vulkan: No devices found."); register them
+    # now with stderr captured, shown only with STATELAB_NATIVE_LOG set.
+    with _captured_stderr() as text:
+        mod.llama_backend_init()
+        mod.llama_cpp._lib.llama_max_devices()
+        importlib.import_module("llama_cpp._ggml").libggml.ggml_backend_dev_count()
+    if os.environ.get("STATELAB_NATIVE_LOG") and text:
+        os.write(2, text[0])
     return mod
+
+
+@contextlib.contextmanager
+def _captured_stderr():
+    out: list[bytes] = []
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield out
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            out.append(tmp.read())
 
 
 # llama.cpp logs go nowhere unless STATELAB_NATIVE_LOG is set (errors still surface as exceptions).
