@@ -22,6 +22,7 @@ import numpy as np
 
 from .errors import IdentityError, StatelabError
 from .formation import Capture, Schedule
+from .paths import read_json_record
 
 FORMAT = "statelab.capture/1"
 
@@ -63,15 +64,10 @@ def write_files_atomic(dest: Path, files: dict[str, bytes], manifest: dict, over
 
 def read_verified(src: Path, fmt: str) -> tuple[dict, dict[str, bytes]]:
     src = Path(src)
-    mpath = src / "manifest.json"
-    if not mpath.is_file():
-        raise ArchiveError(f"not a statelab archive (no manifest.json): {src}")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except ValueError as e:
-        raise ArchiveError(f"manifest of {src} is not valid JSON: {e}") from None
-    if manifest.get("format") != fmt:
-        raise ArchiveError(f"{src} has format {manifest.get('format')!r}, expected {fmt!r}")
+    manifest = read_json_record(src / "manifest.json", fmt, ArchiveError,
+                                missing="not a statelab archive (no manifest.json): {folder}",
+                                invalid="manifest of {folder} is not valid JSON: {error}",
+                                wrong_format="{folder} has format {got!r}, expected {want!r}")
     files = {}
     for name, digest in manifest.get("files", {}).items():
         p = src / name

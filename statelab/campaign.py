@@ -4,7 +4,6 @@ processes, counterbalanced blocks, session-level log contrasts with a percentile
 from __future__ import annotations
 
 import json
-import os
 import tomllib
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -14,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError
-from .paths import atomic_write_text
+from .paths import atomic_path, atomic_write_text
 from .speculative import Arm, SpecConfig, check_mask
 
 DEFAULT_RATIOS = (("C_PQ", "C_QB"), ("C_GS", "C_QB"), ("C_QB", "M0"), ("R", "C_QB"))
@@ -266,9 +265,8 @@ def run_campaign(spec: CampaignSpec, out: Path, progress=None) -> dict:
     records = qualify_records(run_requests(jobs, progress))
     rows = contrasts(records, spec.ratios, spec.threshold, spec.seed, spec.resamples)
     ds = to_dataset(records)
-    tmp = out / ".results.nc.tmp"
-    ds.to_netcdf(tmp)
-    os.replace(tmp, out / "results.nc")
+    with atomic_path(out / "results.nc", umask_mode=True) as tmp:
+        ds.to_netcdf(tmp)
     atomic_write_text(out / "records.json", json.dumps(records, indent=1))
     atomic_write_text(out / "contrasts.json", json.dumps(rows, indent=1))
     md = report_markdown(spec, records, rows)

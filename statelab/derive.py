@@ -8,14 +8,13 @@ are copied from their raw bytes, so the derived file tokenizes exactly like its 
 """
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, ModelError
 from .models import model_sha256, resolve_model
+from .paths import atomic_path
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 DERIVED_FROM_KEY = "statelab.derived_from"
@@ -118,55 +117,42 @@ def derive_truncated(src: Path | None, dst: Path, n_layers: int, overwrite: bool
         raise ModelError(f"{src} lacks tensors for blocks {sorted(set(range(n_layers)) - present)}")
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    writer = None
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; a model file is an ordinary file
+    with atomic_path(dst, umask_mode=True) as tmp:  # a model file is an ordinary file, not 0600
         writer = GGUFWriter(tmp, arch, endianess=reader.endianess)
-        writer.data_alignment = reader.alignment
-        for field in reader.fields.values():
-            key = field.name
-            if key.startswith("GGUF.") or key in ("general.architecture", DERIVED_FROM_KEY, DERIVED_LAYERS_KEY):
-                continue  # virtual fields, written by the writer itself, or replaced below
-            if key == "general.name":
-                writer.add_key_value(key, new_name, GGUFValueType.STRING)
-                continue
-            if key == f"{arch}.block_count":
-                writer.add_key_value(key, n_layers, field.types[0])
-                continue
-            val, vtype, sub = _field_value(field)
-            if (vtype == GGUFValueType.ARRAY and sub != GGUFValueType.STRING and key.startswith(f"{arch}.")
-                    and len(val) == n_src):
-                val = val[:n_layers]  # per-layer metadata (head counts, ffn lengths, window patterns ...)
-            writer.add_key_value(key, val, vtype, sub_type=sub)
-        if name_field is None:
-            writer.add_key_value("general.name", new_name, GGUFValueType.STRING)
-        writer.add_key_value(DERIVED_FROM_KEY, src_sha, GGUFValueType.STRING)
-        writer.add_key_value(DERIVED_LAYERS_KEY, n_layers, GGUFValueType.UINT32)
+        try:
+            writer.data_alignment = reader.alignment
+            for field in reader.fields.values():
+                key = field.name
+                if key.startswith("GGUF.") or key in ("general.architecture", DERIVED_FROM_KEY, DERIVED_LAYERS_KEY):
+                    continue  # virtual fields, written by the writer itself, or replaced below
+                if key == "general.name":
+                    writer.add_key_value(key, new_name, GGUFValueType.STRING)
+                    continue
+                if key == f"{arch}.block_count":
+                    writer.add_key_value(key, n_layers, field.types[0])
+                    continue
+                val, vtype, sub = _field_value(field)
+                if (vtype == GGUFValueType.ARRAY and sub != GGUFValueType.STRING and key.startswith(f"{arch}.")
+                        and len(val) == n_src):
+                    val = val[:n_layers]  # per-layer metadata (head counts, ffn lengths, window patterns ...)
+                writer.add_key_value(key, val, vtype, sub_type=sub)
+            if name_field is None:
+                writer.add_key_value("general.name", new_name, GGUFValueType.STRING)
+            writer.add_key_value(DERIVED_FROM_KEY, src_sha, GGUFValueType.STRING)
+            writer.add_key_value(DERIVED_LAYERS_KEY, n_layers, GGUFValueType.UINT32)
 
-        for t in kept:
-            # the reader's data view is in numpy order (bytes per row for quantised types);
-            # add_tensor_info turns it back into the element shape of raw_dtype
-            writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for t in kept:
-            writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
-        writer.flush()
-        for f in writer.fout or []:
-            os.fsync(f.fileno())
-        writer.close()
-        os.replace(tmp, dst)
-    except BaseException:
-        if writer is not None:
+            for t in kept:
+                # the reader's data view is in numpy order (bytes per row for quantised types);
+                # add_tensor_info turns it back into the element shape of raw_dtype
+                writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for t in kept:
+                writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+            writer.flush()
+        finally:
             writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
 
     return {
         "path": str(dst.resolve()), "size": dst.stat().st_size, "sha256": model_sha256(dst),

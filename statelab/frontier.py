@@ -46,13 +46,14 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import xarray as xr
+
+from .paths import atomic_path
 
 __all__ = [
     "ARMS", "PANEL_COMPONENTS", "VARIABLES", "FORMAT_VERSION",
@@ -826,17 +827,8 @@ def save_results(ds: xr.Dataset, path: str | os.PathLike) -> Path:
     for name, var in ds.variables.items():
         if var.dtype == object:
             raise FrontierError(f"variable {name!r} has object dtype; not netCDF-safe")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         ds.to_netcdf(tmp, engine="netcdf4", format="NETCDF4")
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return path
 
 

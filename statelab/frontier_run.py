@@ -57,7 +57,6 @@ import socket
 import subprocess
 import sys
 import time
-import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +64,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError, StatelabError
+from .specfile import check_prompt_fits, spec_error
 
 SPEC_FORMAT = "statelab.frontier-spec/1"
 TRACE_FORMAT = "statelab.frontier-trace/1"
@@ -75,7 +75,6 @@ DEFAULT_PANELS = {"L0": ("L0_K", "L0_V"), "POSITION": ("PREFIX", "TAIL")}  # = f
 _TOP_KEYS = ("name", "description", "model", "backend", "threads", "n_ctx", "cap", "repeats", "prompts",
              "directions", "panels", "arms", "before_frontier", "share_identical", "plot_window")
 _REQUIRED = ("prompts", "directions", "panels", "arms")
-_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 
 
 class FrontierRunError(ConfigError):
@@ -150,174 +149,87 @@ class FrontierSpec:
 
 
 def _err(path, msg: str) -> FrontierRunError:
-    return FrontierRunError(f"frontier spec {path}: {msg}")
-
-
-def _int(data: dict, key: str, default: int, lo: int, path) -> int:
-    v = data.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise _err(path, f"'{key}' must be an integer >= {lo}, got {v!r}")
-    return int(v)
-
-
-def _str_list(data: dict, key: str, path) -> list[str]:
-    v = data[key]
-    if not isinstance(v, list) or not v or not all(isinstance(x, str) for x in v):
-        raise _err(path, f"'{key}' must be a non-empty list of strings, got {v!r}")
-    dup = sorted({x for x in v if v.count(x) > 1})
-    if dup:
-        raise _err(path, f"'{key}' lists {', '.join(dup)} more than once")
-    return list(v)
+    return spec_error(FrontierRunError, "frontier spec", path, msg)
 
 
 def load_spec(path: str | os.PathLike, check_model: bool = True) -> FrontierSpec:
     """Parse and validate a frontier spec; every error is a one-line :class:`FrontierRunError`.
     With ``check_model`` the GGUF header is read (no weights) to check selector layers."""
-    from . import prompts as prompts_mod
-    from .formation import parse_schedule
-    from .selection import SelectorError, default_search_dirs, load_selector
+    from . import specfile as sf
 
     path = Path(path)
-    if not path.is_file():
-        raise FrontierRunError(f"frontier spec not found: {path}")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise _err(path, f"malformed TOML: {e}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise _err(path, f"cannot read: {e}") from None
-    unknown = sorted(set(data) - set(_TOP_KEYS))
-    if unknown:
-        raise _err(path, f"unknown key(s) {', '.join(unknown)} (allowed: {', '.join(_TOP_KEYS)})")
-    missing = [k for k in _REQUIRED if k not in data]
-    if missing:
-        raise _err(path, f"missing required key(s) {', '.join(missing)}")
-    name = data.get("name", path.stem)
-    if not isinstance(name, str) or not name.strip():
-        raise _err(path, f"'name' must be a non-empty string, got {name!r}")
-    description = data.get("description", "")
-    if not isinstance(description, str):
-        raise _err(path, "'description' must be a string")
-    model = data.get("model") or None
-    if model is not None:
-        if not isinstance(model, str):
-            raise _err(path, f"'model' must be a path string, got {model!r}")
-        if not os.path.isabs(model) and (path.parent / model).exists():
-            model = str(path.parent / model)
-    backend = data.get("backend", "cpu")
-    if backend not in ("cpu", "cuda", "vulkan"):
-        raise _err(path, f"unknown backend {backend!r}; choose one of cpu, cuda, vulkan")
-    threads = _int(data, "threads", 0, 0, path)
-    n_ctx = _int(data, "n_ctx", 1024, 1, path)
-    cap = _int(data, "cap", 32, 1, path)
-    repeats = _int(data, "repeats", 2, 1, path)
-    if repeats < 2:
-        raise _err(path, f"'repeats' must be >= 2 (repeat agreement needs two independent processes), got {repeats}")
-    before = _int(data, "before_frontier", 0, 0, path)
-    window = _int(data, "plot_window", 8, 0, path)
+    data = sf.load_toml_spec(path, "frontier spec", FrontierRunError, _TOP_KEYS, _REQUIRED)
+
+    def err(msg: str) -> FrontierRunError:
+        return _err(path, msg)
+
+    common = sf.common_fields(data, path, err, cap_default=32)
+    if common["repeats"] < 2:
+        raise err("'repeats' must be >= 2 (repeat agreement needs two independent processes), "
+                  f"got {common['repeats']}")
+    before = sf.int_field(data, "before_frontier", 0, 0, err)
+    window = sf.int_field(data, "plot_window", 8, 0, err)
     share = data.get("share_identical", True)
     if not isinstance(share, bool):
-        raise _err(path, f"'share_identical' must be true or false, got {share!r}")
+        raise err(f"'share_identical' must be true or false, got {share!r}")
 
-    prompt_specs = _str_list(data, "prompts", path)
-    prompts = []
-    for s in prompt_specs:
-        target = s
-        if s.startswith("file:") and not os.path.isabs(s[5:]) and (path.parent / s[5:]).is_file():
-            target = "file:" + str(path.parent / s[5:])
-        try:
-            prompts.append(prompts_mod.resolve(target))
-        except ConfigError as e:
-            raise _err(path, f"prompt {s!r}: {e}") from None
+    prompt_specs = sf.str_list(data, "prompts", err)
+    prompts = sf.resolve_prompts(prompt_specs, path, err)
     ids = [p.id for p in prompts]
     if len({slug(i) for i in ids}) != len(ids):
-        raise _err(path, f"prompts {ids} repeat or do not map to distinct folder names")
+        raise err(f"prompts {ids} repeat or do not map to distinct folder names")
 
-    arms_raw = data["arms"]
-    if not isinstance(arms_raw, dict) or len(arms_raw) < 2:
-        raise _err(path, "'[arms]' must name at least two arms, e.g. A = \"A\" and R = \"R\"")
-    arms = {}
-    for arm, sched in arms_raw.items():
-        if not _NAME_RE.match(arm):
-            raise _err(path, f"arm name {arm!r} must be letters, digits or underscore (starting with a letter)")
-        if not isinstance(sched, str):
-            raise _err(path, f"arm {arm}: schedule must be a string like \"A\", \"R\" or \"128+rest@ub64\"")
-        try:
-            arms[arm] = parse_schedule(sched)
-        except ConfigError as e:
-            raise _err(path, f"arm {arm}: {e}") from None
+    arms = sf.parse_arms(data, err)
 
     directions = []
-    for d in _str_list(data, "directions", path):
+    for d in sf.str_list(data, "directions", err):
         parts = [x.strip() for x in d.split("->")]
         if len(parts) != 2 or not all(parts):
-            raise _err(path, f"direction {d!r} must read DONOR->RECIPIENT, e.g. \"A->R\"")
+            raise err(f"direction {d!r} must read DONOR->RECIPIENT, e.g. \"A->R\"")
         for a in parts:
             if a not in arms:
-                raise _err(path, f"direction {d!r} names arm {a!r}, which [arms] does not define ({', '.join(arms)})")
+                raise err(f"direction {d!r} names arm {a!r}, which [arms] does not define ({', '.join(arms)})")
         if parts[0] == parts[1]:
-            raise _err(path, f"direction {d!r} has the same donor and recipient")
+            raise err(f"direction {d!r} has the same donor and recipient")
         if tuple(parts) in directions:
-            raise _err(path, f"direction {d!r} is listed twice")
+            raise err(f"direction {d!r} is listed twice")
         directions.append(tuple(parts))
 
     raw_panels = data["panels"]
     panels: dict[str, tuple[str, str]] = {}
     if isinstance(raw_panels, list):
-        for p in _str_list(data, "panels", path):
+        for p in sf.str_list(data, "panels", err):
             if p not in DEFAULT_PANELS:
-                raise _err(path, f"unknown panel {p!r}: known {', '.join(DEFAULT_PANELS)}; define others as a "
+                raise err(f"unknown panel {p!r}: known {', '.join(DEFAULT_PANELS)}; define others as a "
                                  "table NAME = [COMPONENT1, COMPONENT2]")
             panels[p] = DEFAULT_PANELS[p]
     elif isinstance(raw_panels, dict) and raw_panels:
         for p, comps in raw_panels.items():
-            if not _NAME_RE.match(p):
-                raise _err(path, f"panel name {p!r} must be letters, digits or underscore")
+            if not sf.NAME_RE.match(p):
+                raise err(f"panel name {p!r} must be letters, digits or underscore")
             if not (isinstance(comps, list) and len(comps) == 2 and all(isinstance(c, str) for c in comps)):
-                raise _err(path, f"panel {p}: give exactly two component selectors, got {comps!r}")
+                raise err(f"panel {p}: give exactly two component selectors, got {comps!r}")
             if comps[0] == comps[1]:
-                raise _err(path, f"panel {p}: the two components are the same selector {comps[0]!r}")
+                raise err(f"panel {p}: the two components are the same selector {comps[0]!r}")
             if p in DEFAULT_PANELS and tuple(comps) != DEFAULT_PANELS[p]:
-                raise _err(path, f"panel {p} is predefined with components {DEFAULT_PANELS[p]}; use another name")
+                raise err(f"panel {p} is predefined with components {DEFAULT_PANELS[p]}; use another name")
             panels[p] = (comps[0], comps[1])
     else:
-        raise _err(path, "'panels' must be a list of panel names or a table NAME = [COMPONENT1, COMPONENT2]")
+        raise err("'panels' must be a list of panel names or a table NAME = [COMPONENT1, COMPONENT2]")
 
-    search = [str(x) for x in default_search_dirs()]
-    if (path.parent / "selectors").is_dir() and str(path.parent / "selectors") not in search:
-        search.insert(0, str(path.parent / "selectors"))
+    search = sf.selector_search_dirs(path)
     selectors = {}
     for comps in panels.values():
         for c in comps:
-            if c in selectors:
-                continue
-            target = c
-            if (c.endswith(".toml") or "/" in c) and not os.path.isabs(c) and (path.parent / c).is_file():
-                target = str(path.parent / c)
-            try:
-                selectors[c] = load_selector(target, search_dirs=search)
-            except SelectorError as e:
-                raise _err(path, str(e)) from None
+            if c not in selectors:
+                selectors[c] = sf.load_spec_selector(c, path, search, err)
 
-    spec = FrontierSpec(path=path.resolve(), name=name.strip(), description=description, model=model,
-                        backend=backend, threads=threads, n_ctx=n_ctx, cap=cap, repeats=repeats,
-                        prompt_specs=tuple(prompt_specs), prompts=prompts, arms=arms, directions=tuple(directions),
-                        panels=panels, selectors=selectors, before_frontier=before, share_identical=share,
-                        plot_window=window, selector_dirs=tuple(search))
+    spec = FrontierSpec(path=path.resolve(), **common, prompt_specs=tuple(prompt_specs), prompts=prompts,
+                        arms=arms, directions=tuple(directions), panels=panels, selectors=selectors,
+                        before_frontier=before, share_identical=share, plot_window=window,
+                        selector_dirs=tuple(search))
     if check_model:
-        from .errors import ModelError
-        from .models import read_model_info
-
-        try:
-            info = read_model_info(spec.model)
-        except (ModelError, ConfigError) as e:
-            raise _err(path, str(e)) from None
-        spec.model_path, spec.model_sha256, spec.n_layer = info.path, info.sha256, info.n_layer
-        for sel in selectors.values():
-            try:
-                sel.validate(info.n_layer)
-            except SelectorError as e:
-                raise _err(path, str(e)) from None
+        sf.check_against_model(spec, err)
     return spec
 
 
@@ -570,12 +482,7 @@ def _captures(spec: FrontierSpec, out: Path, say) -> None:
         base = ContextConfig(backend=spec.backend, n_threads=spec.threads, n_ctx=spec.n_ctx)
         for p, arm, dest in todo:
             n = len(model.tokenize(p.text))
-            if n > spec.n_ctx:
-                raise _err(spec.path, f"prompt {p.id} has {n} tokens, more than n_ctx={spec.n_ctx}")
-            try:
-                spec.arms[arm].submissions(n)
-            except ConfigError as e:
-                raise _err(spec.path, f"prompt {p.id} ({n} tokens), arm {arm}: {e}") from None
+            check_prompt_fits(p.id, n, spec.n_ctx, {arm: spec.arms[arm]}, lambda msg: _err(spec.path, msg))
             t0 = time.perf_counter()
             cap_, ep = natural(model, p, spec.arms[arm], base, spec.cap)
             cap_.extra.update(natural=ep.as_dict(), natural_cap=spec.cap)
@@ -693,17 +600,11 @@ def _load_unit(out: Path, task: dict, direction: str, repeat: int):
 def analyse_run(out) -> Analysis:
     """Recompute the dataset of a run folder from its stored traces (no model needed)."""
     from . import frontier as F
+    from .paths import read_json_record
 
     out = Path(out)
-    spath = out / "spec.json"
-    if not spath.is_file():
-        raise FrontierRunError(f"not a frontier run folder (no spec.json): {out}")
-    try:
-        spec = json.loads(spath.read_text())
-    except ValueError as e:
-        raise FrontierRunError(f"{spath} is not valid JSON: {e}") from None
-    if spec.get("format") != SPEC_FORMAT:
-        raise FrontierRunError(f"{spath} has format {spec.get('format')!r}, expected {SPEC_FORMAT!r}")
+    spec = read_json_record(out / "spec.json", SPEC_FORMAT, FrontierRunError,
+                            missing="not a frontier run folder (no spec.json): {folder}")
     norm = spec["normalized"]
     before = int(spec.get("before_frontier", 0))
     datasets, units = [], {}

@@ -46,16 +46,32 @@ def resolve_model(path: str | os.PathLike | None) -> Path:
     return p.resolve()
 
 
-def model_sha256(path: str | os.PathLike) -> str:
-    """sha256 of a model file, cached by (path, size, mtime) under the user cache."""
-    p = Path(path).resolve()
+def _file_cache(p: Path, name: str) -> tuple[Path, str, dict]:
+    """The JSON cache ``name`` under the user cache, keyed by (path, size, mtime) of ``p``:
+    (cache file, this file's key, what the cache holds; empty when missing or unreadable)."""
     st = p.stat()
     key = f"{p}|{st.st_size}|{st.st_mtime_ns}"
-    cache = cache_dir() / "model-hashes.json"
+    cache = cache_dir() / name
     try:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
         known = {}
+    return cache, key, known
+
+
+def _file_cache_store(cache: Path, known: dict, key: str, value) -> None:
+    """Record ``value`` under ``key`` (best effort: a cache that cannot be written is skipped)."""
+    known[key] = value
+    try:
+        atomic_write_text(cache, json.dumps(known, indent=1, sort_keys=True))
+    except OSError:
+        pass
+
+
+def model_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a model file, cached by (path, size, mtime) under the user cache."""
+    p = Path(path).resolve()
+    cache, key, known = _file_cache(p, "model-hashes.json")
     if key in known:
         return known[key]
     h = hashlib.sha256()
@@ -63,11 +79,7 @@ def model_sha256(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     digest = h.hexdigest()
-    known[key] = digest
-    try:
-        atomic_write_text(cache, json.dumps(known, indent=1, sort_keys=True))
-    except OSError:
-        pass
+    _file_cache_store(cache, known, key, digest)
     return digest
 
 
@@ -98,13 +110,7 @@ def read_model_info(path: str | os.PathLike | None = None) -> ModelInfo:
     mtime) under the user cache like the file hash: parsing the header with `gguf` walks the
     whole vocabulary (seconds), which every fresh worker process would otherwise repeat."""
     p = resolve_model(path)
-    st = p.stat()
-    key = f"{p}|{st.st_size}|{st.st_mtime_ns}"
-    cache = cache_dir() / "model-info.json"
-    try:
-        known = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        known = {}
+    cache, key, known = _file_cache(p, "model-info.json")
     hit = known.get(key)
     if isinstance(hit, dict):
         try:
@@ -112,11 +118,7 @@ def read_model_info(path: str | os.PathLike | None = None) -> ModelInfo:
         except TypeError:  # written by another version of ModelInfo: read the header again
             pass
     info = _read_header(p)
-    known[key] = info.as_dict()
-    try:
-        atomic_write_text(cache, json.dumps(known, indent=1, sort_keys=True))
-    except OSError:
-        pass
+    _file_cache_store(cache, known, key, info.as_dict())
     return info
 
 

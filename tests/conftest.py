@@ -45,3 +45,14 @@ def run_cli(*args, env=None, timeout=600):
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def one_line_error(r, *needles):
+    """A failed CLI call that wrote exactly one line to stderr (no traceback) holding every needle."""
+    assert r.returncode != 0, r.stdout
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]

@@ -1,38 +1,30 @@
 """Bad input gives one clear line (no traceback) and a non-zero exit."""
 import pytest
+from conftest import one_line_error
 
 pytestmark = pytest.mark.model
 
 
-def _one_line_error(r, *needles):
-    assert r.returncode != 0
-    assert "Traceback" not in r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, r.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-
-
 def test_missing_model_path(cli, tmp_path):
-    _one_line_error(cli("generate", "-p", "hi", "--model", tmp_path / "nope.gguf"), "model file not found")
+    one_line_error(cli("generate", "-p", "hi", "--model", tmp_path / "nope.gguf"), "model file not found")
 
 
 def test_not_a_gguf_file(cli, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a model at all")
-    _one_line_error(cli("generate", "-p", "hi", "--model", bad), "not a GGUF file")
+    one_line_error(cli("generate", "-p", "hi", "--model", bad), "not a GGUF file")
 
 
 def test_prompt_longer_than_context(cli):
-    _one_line_error(cli("generate", "-H", "0", "--n-ctx", "64", "--cap", "4"), "more than n_ctx=64")
+    one_line_error(cli("generate", "-H", "0", "--n-ctx", "64", "--cap", "4"), "more than n_ctx=64")
 
 
 def test_unknown_backend(cli):
-    _one_line_error(cli("generate", "-p", "hi", "--backend", "metal"), "unknown backend 'metal'")
+    one_line_error(cli("generate", "-p", "hi", "--backend", "metal"), "unknown backend 'metal'")
 
 
 def test_cap_zero(cli):
-    _one_line_error(cli("generate", "-p", "hi", "--cap", "0"), "output cap")
+    one_line_error(cli("generate", "-p", "hi", "--cap", "0"), "output cap")
 
 
 def test_missing_native_build(cli, tmp_path):
@@ -42,4 +34,4 @@ def test_missing_native_build(cli, tmp_path):
     (fake / "__init__.py").write_text(
         "raise FileNotFoundError('Shared library with base name \"llama\" not found')\n")
     r = cli("doctor", env={"PYTHONPATH": str(tmp_path)})
-    _one_line_error(r, "native library failed to load", "install.sh")
+    one_line_error(r, "native library failed to load", "install.sh")

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import one_line_error
 from statelab.frontier_run import FrontierRunError, load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,16 +40,6 @@ R = "R"
 """
 
 
-def _one_line_error(r, *needles):
-    assert r.returncode != 0, r.stdout
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, r.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
-
-
 # ------------------------------------------------------------------------ spec (no model)
 
 
@@ -61,7 +52,7 @@ def test_spec_errors_are_one_line(tmp_path, cli):
     with pytest.raises(FrontierRunError, match="two independent processes"):
         load_spec(bad, check_model=False)
     bad.write_text(SPEC.replace('"A->R"', '"A->X"'))
-    _one_line_error(cli("frontier", "run", bad, "--out", tmp_path / "o"), "names arm 'X'")
+    one_line_error(cli("frontier", "run", bad, "--out", tmp_path / "o"), "names arm 'X'")
 
 
 def test_spec_custom_panel_table(tmp_path):
@@ -196,35 +187,35 @@ def test_bad_stored_traces_give_one_line_errors(run_dir, tmp_path, cli):
     m = _manifest(c / unit)
     m["model_sha256"] = "0" * 64
     _write_manifest(c / unit, m)
-    _one_line_error(cli("frontier", "analyse", c, env=env), "HumanEval/86 A->R panel POSITION:",
-                    "traces of different models mixed in one panel")
+    one_line_error(cli("frontier", "analyse", c, env=env), "HumanEval/86 A->R panel POSITION:",
+                   "traces of different models mixed in one panel")
 
     # traces of another prompt mixed into the panel
     c = _copy(out, tmp_path / "prompt")
     m = _manifest(c / unit)
     m["prompt_sha256"] = "f" * 64
     _write_manifest(c / unit, m)
-    _one_line_error(cli("frontier", "analyse", c, env=env), "traces of different prompts mixed in one panel")
+    one_line_error(cli("frontier", "analyse", c, env=env), "traces of different prompts mixed in one panel")
 
     # a repeat run from other captures
     c = _copy(out, tmp_path / "captures")
     m = _manifest(c / unit)
     m["recipient_kv_sha256"] = "1" * 64
     _write_manifest(c / unit, m)
-    _one_line_error(cli("frontier", "analyse", c, env=env), "r1: recipient_kv differs from repeat 0",
-                    "not run from the same captures")
+    one_line_error(cli("frontier", "analyse", c, env=env), "r1: recipient_kv differs from repeat 0",
+                   "not run from the same captures")
 
     # an arm missing from a repeat
     c = _copy(out, tmp_path / "arm")
     m = _manifest(c / unit)
     del m["panels"]["POSITION"]["arms"]["C2"]
     _write_manifest(c / unit, m)
-    _one_line_error(cli("frontier", "analyse", c, env=env), "repeat 1 lacks arm(s) C2")
+    one_line_error(cli("frontier", "analyse", c, env=env), "repeat 1 lacks arm(s) C2")
 
     # a whole repeat missing
     c = _copy(out, tmp_path / "repeat")
     shutil.rmtree(c / unit)
-    _one_line_error(cli("frontier", "analyse", c, env=env), "trace folder missing", "resume")
+    one_line_error(cli("frontier", "analyse", c, env=env), "trace folder missing", "resume")
 
     # NaN in the stored logits (file rewritten consistently with its manifest hash)
     c = _copy(out, tmp_path / "nan")
@@ -239,16 +230,16 @@ def test_bad_stored_traces_give_one_line_errors(run_dir, tmp_path, cli):
     f.write_bytes(buf.getvalue())
     m["files"][f.name] = hashlib.sha256(buf.getvalue()).hexdigest()
     _write_manifest(c / unit, m)
-    _one_line_error(cli("frontier", "analyse", c, env=env), "non-finite logit (nan)", "repeat 1")
+    one_line_error(cli("frontier", "analyse", c, env=env), "non-finite logit (nan)", "repeat 1")
 
     # a trace edited behind its manifest
     c = _copy(out, tmp_path / "edited")
     f = c / unit / "run0.npz"
     f.write_bytes(f.read_bytes()[:-10] + b"0123456789")
-    _one_line_error(cli("frontier", "analyse", c, env=env), "sha256 mismatch for run0.npz")
+    one_line_error(cli("frontier", "analyse", c, env=env), "sha256 mismatch for run0.npz")
 
     # not a run folder
-    _one_line_error(cli("frontier", "analyse", tmp_path / "nowhere", env=env), "not a frontier run folder")
+    one_line_error(cli("frontier", "analyse", tmp_path / "nowhere", env=env), "not a frontier run folder")
 
 
 @pytest.mark.model
@@ -277,4 +268,4 @@ def test_rerun_resumes_and_other_spec_is_refused(run_dir, tmp_path, cli):
 
     other = tmp_path / "other.toml"
     other.write_text(SPEC.replace("cap = 16", "cap = 12"))
-    _one_line_error(cli("frontier", "run", other, "--out", out, env=THREADS), "holds a frontier run of another spec")
+    one_line_error(cli("frontier", "run", other, "--out", out, env=THREADS), "holds a frontier run of another spec")

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import xarray as xr
 
+from conftest import one_line_error, run_cli
 from statelab.study import (DETERMINISTIC, CellLog, StudyDir, StudyError, compile_dataset, compile_study,
                             load_dataset, load_spec, run_study)
 from statelab.study.cells import plan, run_cell
@@ -26,23 +27,6 @@ from statelab.study.executors import check_executor
 REPO = Path(__file__).resolve().parents[1]
 CI = REPO / "studies" / "ci.toml"
 CLI = [sys.executable, "-m", "statelab.cli"]
-
-
-def _cli(*args, env=None, timeout=600):
-    e = dict(os.environ)
-    e.update(env or {})
-    return subprocess.run(CLI + [str(a) for a in args], capture_output=True, text=True, env=e, timeout=timeout,
-                          cwd=REPO)
-
-
-def _one_line_error(r, *needles):
-    assert r.returncode != 0, r.stdout
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, r.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
 
 
 def _spec(tmp_path: Path, name="s", **over) -> Path:
@@ -60,7 +44,7 @@ def _spec(tmp_path: Path, name="s", **over) -> Path:
 
 def _refused(tmp_path, spec, *needles, env=None):
     out = tmp_path / "out"
-    line = _one_line_error(_cli("study", "run", spec, "--out", out, env=env), *needles)
+    line = one_line_error(run_cli("study", "run", spec, "--out", out, env=env), *needles)
     assert not out.exists(), "an output folder was created for a refused spec"
     return line
 
@@ -189,9 +173,9 @@ def test_ci_study_killed_and_resumed(tmp_path, model):
     # a changed spec is refused for this folder
     changed = tmp_path / "ci16.toml"
     changed.write_text(CI.read_text().replace("cap = 32", "cap = 16"))
-    _one_line_error(_cli("study", "run", changed, "--out", out), "different study spec", "new --out")
+    one_line_error(run_cli("study", "run", changed, "--out", out), "different study spec", "new --out")
 
-    r = _cli("study", "run", CI, "--out", out, "--workers", "2")
+    r = run_cli("study", "run", CI, "--out", out, "--workers", "2")
     assert r.returncode == 0, r.stderr
     assert "resumed" in r.stdout and "already done" in r.stdout
 

@@ -524,21 +524,16 @@ def save_capture(cap: AttnCapture, identity: dict, path, meta: dict | None = Non
 
 def load_capture(path, model=None) -> tuple[AttnCapture, dict]:
     """Read a folder written by :func:`save_capture`; with `model`, refuse a capture of another model."""
-    import json
     from pathlib import Path
 
     from ..errors import IdentityError
+    from ..paths import read_json_record
 
     p = Path(path)
-    mf = p / "manifest.json"
-    if not mf.is_file():
-        raise ConfigError(f"not an attention capture folder (no manifest.json): {p}")
-    try:
-        man = json.loads(mf.read_text())
-    except ValueError as e:
-        raise ConfigError(f"unreadable capture manifest {mf}: {e}") from None
-    if man.get("format") != CAPTURE_FORMAT:
-        raise ConfigError(f"{p} is not a {CAPTURE_FORMAT} folder (format {man.get('format')!r})")
+    man = read_json_record(p / "manifest.json", CAPTURE_FORMAT, ConfigError,
+                           missing="not an attention capture folder (no manifest.json): {folder}",
+                           invalid="unreadable capture manifest {file}: {error}",
+                           wrong_format="{folder} is not a {want} folder (format {got!r})")
     if model is not None and man.get("model_sha256") != model.sha256:
         raise IdentityError(f"the capture in {p} was made with model {str(man.get('model_sha256'))[:16]}…, "
                             f"not {model.path.name} ({model.sha256[:16]}…)")

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import ConfigError, DecodeError, ModelError
 from ..models import ModelInfo, read_model_info, resolve_model
+from .closing import Closing
 from .native import BACKENDS, devices_for_backend, lib, llama, prepare_backend
 
 KV_TYPES = {"f32": 0, "f16": 1}
@@ -56,7 +57,7 @@ class ContextConfig:
         return d
 
 
-class Model:
+class Model(Closing):
     """A loaded GGUF model with its identity and metadata."""
 
     def __init__(self, path=None, backend: str = "cpu", n_gpu_layers: int | None = None, device: int = 0):
@@ -120,12 +121,6 @@ class Model:
         if getattr(self, "ptr", None):
             llama().llama_model_free(self.ptr)
             self.ptr = None
-
-    def __del__(self):  # pragma: no cover
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 @dataclass
@@ -222,7 +217,7 @@ class TensorCapture:
         self.tensors.clear()
 
 
-class Context:
+class Context(Closing):
     """A llama context over one model with an explicit configuration."""
 
     def __init__(self, model: Model, config: ContextConfig | None = None, capture: TensorCapture | None = None):
@@ -376,18 +371,6 @@ class Context:
             L.llama_sampler_free(self._greedy)
             L.llama_free(self.ptr)
             self.ptr = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):  # pragma: no cover
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def context_identity(model: Model, config: ContextConfig) -> dict:

@@ -28,6 +28,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..errors import ConfigError, StatelabError
+from .closing import Closing
 from .context import CapturedTensor, TensorCapture, read_tensor, tensor_info
 from .native import ggml_lib, list_devices
 
@@ -287,7 +288,7 @@ class Tensor:
             t.op_params[i] = int(w)
 
 
-class OpGraph:
+class OpGraph(Closing):
     """A ``no_alloc`` ggml context to build operator graphs in; optionally computed on a device."""
 
     def __init__(self, max_tensors: int = 256):
@@ -465,18 +466,6 @@ class OpGraph:
         if self.ctx:
             g.ggml_free(self.ctx)
             self.ctx = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):  # pragma: no cover
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 @lru_cache(maxsize=1)

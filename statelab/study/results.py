@@ -12,9 +12,7 @@ result), endpoint_sha256, stop_reason.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +20,7 @@ import xarray as xr
 
 from ..analysis import (class_matrix_markdown, magnitude_separability, non_monotone_pairs,
                         repeat_agreement, selector_lattice)
+from ..paths import atomic_path, atomic_write_text
 from .spec import StudyError, cell_key
 from .store import CellLog, StudyDir
 
@@ -109,19 +108,8 @@ def compile_dataset(spec: dict, ok: dict[str, dict], records: list[dict], contro
 
 def write_netcdf_atomic(ds: xr.Dataset, path: Path) -> Path:
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         ds.to_netcdf(tmp, engine="netcdf4")
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     return path
 
 
@@ -372,7 +360,5 @@ def compile_study(out) -> tuple[xr.Dataset, str]:
     ds = compile_dataset(spec, ok, records, controls)
     write_netcdf_atomic(ds, sdir.results_path)
     report = report_markdown(sdir, spec, controls, records, ok, ds)
-    from ..paths import atomic_write_text
-
     atomic_write_text(sdir.report_path, report)
     return ds, report

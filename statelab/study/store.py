@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from ..paths import atomic_write_text
+from ..paths import atomic_write_text, read_json_record
 from .spec import FORMAT, StudyError, StudySpec, slug
 
 
@@ -34,15 +34,8 @@ class StudyDir:
 
     # ------------------------------------------------------------------ spec
     def read_spec(self) -> dict:
-        if not self.spec_path.is_file():
-            raise StudyError(f"{self.root} is not a study output folder (no spec.json)")
-        try:
-            rec = json.loads(self.spec_path.read_text())
-        except ValueError as e:
-            raise StudyError(f"{self.spec_path} is not valid JSON: {e}") from None
-        if rec.get("format") != FORMAT:
-            raise StudyError(f"{self.spec_path} has format {rec.get('format')!r}, expected {FORMAT!r}")
-        return rec
+        return read_json_record(self.spec_path, FORMAT, StudyError,
+                                missing="{folder} is not a study output folder (no spec.json)")
 
     def check(self, spec: StudySpec) -> bool:
         """Refuse a folder that holds another spec's results.  True when resuming."""
