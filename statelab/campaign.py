@@ -229,7 +229,7 @@ def to_dataset(records: list[dict]):
 
 
 def report_markdown(spec: CampaignSpec, records: list[dict], rows: list[dict]) -> str:
-    lines = [f"# Speculative campaign\n",
+    lines = ["# Speculative campaign\n",
              f"k={spec.k}, target ubatch {spec.ubatch}, phase mask {spec.mask}, cap {spec.cap}, backend {spec.backend}, "
              f"draft {spec.draft}, {spec.sessions} sessions x {spec.repeats} requests per block, "
              f"bootstrap {spec.resamples} resamples, seed {spec.seed}, threshold {spec.threshold}\n",

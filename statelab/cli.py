@@ -178,7 +178,7 @@ def sham_(capture_dir: Path = typer.Argument(...), cap: int = CapOpt, model: Opt
           json_out: bool = JsonOpt):
     """Restore a capture into its own path and compare with its natural endpoint."""
     from .analysis import first_difference
-    from .formation import Schedule, form  # noqa: F401
+    from .formation import prefill
     from .intervene import config_of, sham
     from .receiver import check_cap, continue_greedy
     from .runtime import Context
@@ -189,8 +189,6 @@ def sham_(capture_dir: Path = typer.Argument(...), cap: int = CapOpt, model: Opt
     m, _ = _setup(model, cfg.backend)
     s = sham(m, c, cap)
     with Context(m, cfg) as ctx:  # natural: re-form with the same schedule and continue in place
-        from .formation import prefill
-
         logits = prefill(ctx, c.tokens, c.schedule)
         nat = continue_greedy(ctx, logits, c.n_prompt, cap)
     fd = first_difference(nat.tokens, s.tokens)

@@ -1,6 +1,4 @@
 """The state lab loop on the real model (CPU): codec on real states, shams, crosses, archive errors."""
-import json
-import shutil
 
 import numpy as np
 import pytest

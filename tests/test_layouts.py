@@ -1,6 +1,5 @@
 """Attention layouts of the patched library on the real model (CPU)."""
 import json
-import os
 import subprocess
 import sys
 import zipfile

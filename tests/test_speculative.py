@@ -54,7 +54,7 @@ def test_qualification_records():
 
 @pytest.mark.model
 def test_draft_with_another_vocabulary_is_refused(model, tmp_path, cli):
-    from gguf import GGUFValueType, GGUFWriter
+    from gguf import GGUFWriter
 
     path = tmp_path / "other.gguf"
     w = GGUFWriter(str(path), "llama")

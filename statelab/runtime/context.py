@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import ConfigError, DecodeError, ModelError
 from ..models import ModelInfo, read_model_info, resolve_model
 from .closing import Closing
-from .native import BACKENDS, devices_for_backend, lib, llama, prepare_backend
+from .native import BACKENDS, devices_for_backend, llama, prepare_backend
 
 KV_TYPES = {"f32": 0, "f16": 1}
 
