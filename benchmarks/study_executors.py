@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import re
@@ -49,7 +48,8 @@ def _fresh_copy(src: Path, dst: Path) -> None:
 def update_section(doc: Path, body: str) -> None:
     text = doc.read_text() if doc.is_file() else "# Benchmarks\n\nMeasured results; each section is written by the script it names.\n"
     section = f"{HEADING}\n\n{body.strip()}\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\b.*?(?=^## |\Z)", re.S | re.M)
+    # the section ends at the next heading or at the start marker of a _report.py section
+    pattern = re.compile(rf"^{re.escape(HEADING)}\b.*?(?=^## |^<!-- bench:|\Z)", re.S | re.M)
     if pattern.search(text):
         text = pattern.sub(lambda _m: section + "\n", text, count=1).rstrip() + "\n"
     else:

@@ -118,6 +118,20 @@ def cpu_signature() -> str:
     return platform.machine()
 
 
+def _store(src: Path, dst: Path) -> None:
+    """Copy src to dst through a sibling temporary file (dst never holds a partial copy)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    part = dst.with_suffix(".part")
+    shutil.copyfile(src, part)
+    os.replace(part, dst)
+
+
+def _verify_sdist(src: Path) -> None:
+    digest = sha256_file(src)
+    if digest != SDIST_SHA256:
+        raise BuildError(f"sdist {src} has sha256 {digest}, expected {SDIST_SHA256}")
+
+
 def obtain_sdist(explicit: str | None, offline: bool) -> Path:
     cached = cache_root() / "sdist" / SDIST_FILE
     candidates = [Path(explicit)] if explicit else []
@@ -141,18 +155,12 @@ def obtain_sdist(explicit: str | None, offline: bool) -> Path:
             got = Path(tmp) / SDIST_FILE
             if not got.is_file():
                 raise BuildError("could not download the llama-cpp-python sdist:\n" + r.stderr[-2000:])
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp_dst = cached.with_suffix(".part")
-            shutil.copyfile(got, tmp_dst)
-            os.replace(tmp_dst, cached)
-        src = cached
-    digest = sha256_file(src)
-    if digest != SDIST_SHA256:
-        raise BuildError(f"sdist {src} has sha256 {digest}, expected {SDIST_SHA256}")
+            _verify_sdist(got)  # before caching: a bad download must not become the cached copy
+            _store(got, cached)
+        return cached
+    _verify_sdist(src)
     if src != cached and not cached.exists():
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, cached.with_suffix(".part"))
-        os.replace(cached.with_suffix(".part"), cached)
+        _store(src, cached)
     return src
 
 

@@ -237,10 +237,7 @@ def non_monotone_pairs(lattice: nx.DiGraph, outcomes: Mapping[Hashable, str],
         for large in nx.descendants(lattice, small):
             if large in outcomes and outcomes[large] != reproduces:
                 pairs.append((small, large))
-    try:
-        return sorted(pairs)
-    except TypeError:
-        return sorted(pairs, key=repr)
+    return _ordered(pairs)
 
 
 # --------------------------------------------------------------------------------------

@@ -119,6 +119,8 @@ def load_capture(src: str | os.PathLike) -> Capture:
 
 def check_importable(cap: Capture, model, config, allow_other_backend: bool = False) -> None:
     """Refuse to import a capture into a context it does not belong to."""
+    from .runtime.context import KV_TYPES
+
     ident = cap.identity
     if ident.get("model_sha256") != model.sha256:
         raise IdentityError(f"capture {cap.prompt_id} was formed with model {str(ident.get('model_sha256'))[:12]}…, "
@@ -129,8 +131,7 @@ def check_importable(cap: Capture, model, config, allow_other_backend: bool = Fa
         raise IdentityError(f"capture has {st.n_layer} layers, the model has {info.n_layer}")
     if st.k and (st.k[0].shape[1] != info.n_embd_k_gqa):
         raise IdentityError(f"capture K width {st.k[0].shape[1]} differs from the model's {info.n_embd_k_gqa}")
-    want_k = {"f16": 1, "f32": 0}[config.type_k]
-    want_v = {"f16": 1, "f32": 0}[config.type_v]
+    want_k, want_v = KV_TYPES[config.type_k], KV_TYPES[config.type_v]
     if st.k_types and (set(st.k_types) != {want_k} or set(st.v_types) != {want_v}):
         raise IdentityError(f"capture KV types K={sorted(set(st.k_types))} V={sorted(set(st.v_types))} differ from "
                             f"the context's {config.type_k}/{config.type_v}")

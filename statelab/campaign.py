@@ -108,7 +108,7 @@ def _load_runner(model_path, draft, cfg: SpecConfig):
 
         check_draft_paths(tm.path, draft)  # before loading: a foreign vocabulary is refused by its header
         dm = Model(draft, backend=cfg.backend)
-    return Runner(tm, dm, cfg)
+    return Runner(tm, dm, cfg, vocab_checked=True)
 
 
 def _worker(job: dict) -> list[dict]:
@@ -307,14 +307,9 @@ def phase_mask_experiment(model_path, draft, prompts_: list[str], masks=range(16
             for rep in range(repeats):
                 jobs.append({"session": rep, "block": len(jobs), "prompt": p, "arm": arm, "repeats": 1,
                              "cfg": {**base, "mask": int(m)}, "model": model_path, "draft": draft, "mask": int(m)})
-    records = []
-    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn"), max_tasks_per_child=1) as ex:
-        for job in jobs:
-            for r in ex.submit(_worker, job).result():
-                r["mask"] = job["mask"]
-                records.append(r)
-            if progress:
-                progress()
+    records = run_requests(jobs, progress)
+    for r in records:
+        r["mask"] = jobs[r["block"]]["mask"]  # block = the job's index
     records = qualify_records(records)
     table = {}
     for m in masks:

@@ -27,10 +27,9 @@ CtxOpt = typer.Option(1024, "--n-ctx", help="context size")
 
 
 def _setup(model_path, backend: str, threads: int = 0, n_ctx: int = 1024):
-    from .runtime import ContextConfig, Model, prepare_backend
+    from .runtime import ContextConfig, Model
 
-    prepare_backend(backend)
-    model = Model(model_path, backend=backend)
+    model = Model(model_path, backend=backend)  # checks and prepares the backend first
     return model, ContextConfig(backend=backend, n_threads=threads, n_ctx=n_ctx)
 
 
@@ -137,7 +136,7 @@ def capture(out: Path = typer.Argument(..., help="output folder (must not exist)
     save_capture(cap_, out, overwrite=overwrite)
     h = cap_.hashes()
     console.print(f"captured {p.id} ({cap_.n_prompt} tokens, {sched.describe()}) -> {out}\n"
-                  f"kv {h['kv'][:16]}  logits {h['logits'][:16]}")
+                  f"kv {h['kv'][:16]}  logits {h['logits'][:16]}", markup=False)  # "[rest]" is no markup
 
 
 def _print_endpoint(m, ep, label: str, json_out: bool):
@@ -246,6 +245,7 @@ def sweep(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEva
           threads: int = ThreadsOpt, n_ctx: int = CtxOpt,
           json_out: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON")):
     """Partition sweep of one prompt: endpoints, first difference from the first schedule, classes."""
+    from rich.markup import escape
     from rich.progress import Progress
 
     from .formation import PRESETS, parse_schedule, partition_sweep
@@ -267,7 +267,7 @@ def sweep(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEva
     for col in ("schedule", "kv", "logits", "len", "stop", "first diff"):
         t.add_column(col)
     for r in res["rows"]:
-        t.add_row(r["describe"], r["kv_sha256"], r["logits_sha256"], str(r["length"]), r["stop"],
+        t.add_row(escape(r["describe"]), r["kv_sha256"], r["logits_sha256"], str(r["length"]), r["stop"],
                   "=" if r["first_diff"] is None else str(r["first_diff"]))
     console.print(t)
     console.print("endpoint classes: " + " | ".join(", ".join(c) for c in res["endpoint_classes"]))
@@ -390,11 +390,9 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
     from .speculative import Arm, SpecConfig, qualify
 
     names = [a.strip() for a in arms.split(",") if a.strip()]
-    for a in names:
-        Arm.parse(a)
+    need_draft = any([Arm.parse(a).draft for a in names])  # a list: every name is checked
     cfg = SpecConfig(k=k, ubatch=ubatch, mask=mask, cap=cap, backend=backend, threads=threads)
     p = _prompt(prompt, humaneval, prompt_file)
-    need_draft = any(Arm.parse(a).draft for a in names)
     runner = _load_runner(model, resolve_draft(model, draft) if need_draft else None, cfg)
     if "R" not in names:
         names = ["R"] + names
@@ -439,13 +437,17 @@ def spec_masks(tasks: str = typer.Option("HumanEval/0,HumanEval/2,HumanEval/4,Hu
     from rich.progress import Progress
 
     from .campaign import mask_markdown, phase_mask_experiment, resolve_draft
+    from .errors import ConfigError
     from .paths import atomic_write_text
 
     if "-" in masks:
-        lo, hi = masks.split("-")
-        ms = list(range(int(lo), int(hi) + 1))
+        try:
+            lo, hi = (int(x) for x in masks.split("-"))
+        except ValueError:
+            raise ConfigError(f"--masks must be a range like 0-15 or a comma list, got {masks!r}") from None
+        ms = list(range(lo, hi + 1))
     else:
-        ms = [int(x) for x in masks.split(",")]
+        ms = _int_list(masks, "--masks")
     ps = [x.strip() for x in tasks.split(",") if x.strip()]
     n = len(ps) * (1 + len(ms) * repeats)
     with Progress(console=console, transient=True) as prog:
@@ -508,6 +510,14 @@ app.add_typer(audit_app, name="audit")
 AuditOutOpt = typer.Option(None, "--out", "-o", help="also write report.md and results.nc into this folder")
 
 
+def _write_netcdf(path: Path, ds) -> None:
+    """ds to path atomically (a temporary sibling renamed into place), as an ordinary new file."""
+    from .paths import atomic_path
+
+    with atomic_path(path, umask_mode=True) as tmp:
+        ds.to_netcdf(tmp)
+
+
 def _audit_write(out: Optional[Path], md: str, ds, name: str = "results.nc") -> None:
     from .paths import atomic_write_text
 
@@ -515,7 +525,7 @@ def _audit_write(out: Optional[Path], md: str, ds, name: str = "results.nc") -> 
         return
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "report.md", md)
-    ds.to_netcdf(out / name)
+    _write_netcdf(out / name, ds)
     console.print(f"[dim]wrote {out / 'report.md'} and {out / name}[/dim]")
 
 
@@ -606,7 +616,7 @@ def audit_e1(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
     _audit_write(out, md, ds)
     if out is not None:
         if rds is not None:
-            rds.to_netcdf(out / "replay.nc")
+            _write_netcdf(out / "replay.nc", rds)
         for (ph, q, lo), r in detail["runs"].items():
             for L, cap in r.captures.items():
                 save_capture(cap, r.identity, out / "captures" / f"L{L}_{ph}_q{q}_{lo}",
@@ -736,6 +746,9 @@ def main():
         sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)
+    except OSError as e:  # a file that cannot be read or written: one line, like StatelabError
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
     except Exception as e:  # click usage errors
         import click
 

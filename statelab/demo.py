@@ -66,13 +66,17 @@ def arms_for(backend: str) -> dict:
     return {n: PRESETS[n] for n in names}
 
 
+def _cell(v) -> str:
+    """A study row's value as shown in the console table and the report ("=": no difference)."""
+    return "=" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+
+
 def markdown_table(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)\n"
     cols = list(dict.fromkeys(k for r in rows for k in r))
-    fmt = lambda v: "=" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -114,7 +118,7 @@ def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: 
     for col in rows[0] if rows else []:
         t.add_column(col)
     for r in rows:
-        t.add_row(*["=" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v)) for v in r.values()])
+        t.add_row(*[_cell(v) for v in r.values()])
     console.print(t)
     console.print("first_diff: first differing output index of the natural endpoints ('=' equal); "
                   "cross classes: B reproduces the donor, C third trajectory, D keeps the recipient.")

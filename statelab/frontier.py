@@ -73,7 +73,7 @@ CONTRAST_DIMS = PANEL_DIMS + ("repeat",)
 ARM_DIMS = CONTRAST_DIMS + ("arm",)
 POS_DIMS = CONTRAST_DIMS + ("position",)
 ARM_POS_DIMS = CONTRAST_DIMS + ("arm", "position")
-ALL_DIMS = CONTRAST_DIMS + ("arm", "position")
+ALL_DIMS = ARM_POS_DIMS  # every dimension of a frontier dataset
 
 _F8, _I4, _I1, _B, _S = np.float64, np.int32, np.int8, np.bool_, np.str_
 
@@ -598,13 +598,13 @@ def canonicalise(ds: xr.Dataset, reference_direction: str | None = None,
     directions = out["direction"].values.tolist()
     if reference_direction is not None and reference_direction not in directions:
         raise FrontierError(f"reference direction {reference_direction!r} not in {directions}")
+    order = [directions.index(reference_direction)] if reference_direction else range(len(directions))
     ref = np.full((out.sizes["task"], out.sizes["panel"], 2), -1, dtype=np.int64)
     for i, task in enumerate(out["task"].values.tolist()):
         for j, panel in enumerate(out["panel"].values.tolist()):
             if reference_pairs is not None and (task, panel) in reference_pairs:
                 ref[i, j] = reference_pairs[(task, panel)]
                 continue
-            order = [directions.index(reference_direction)] if reference_direction else range(len(directions))
             for d in order:
                 hits = np.argwhere((ta[i, :, j, d, :] >= 0) & (tb[i, :, j, d, :] >= 0))
                 if hits.size:
@@ -649,21 +649,20 @@ def score_repeat_agreement(ds: xr.Dataset) -> xr.Dataset:
     lo_fill, hi_fill = np.iinfo(np.int64).max, np.iinfo(np.int64).min
     names = ("score", "margin", "argmax", "eps_inf", "additive", "joint", "interaction",
              "t_star", "token_a", "token_b")
-    m = mask
     for name in names:
         da = ds[name]
         if np.issubdtype(da.dtype, np.floating):
             vals = np.where(np.isnan(da.values), np.nan, da.values.astype(np.float64))
             bits = xr.DataArray(vals.view(np.int64), dims=da.dims, coords=da.coords)
-            f = da.astype(np.float64).where(m)
+            f = da.astype(np.float64).where(mask)
             spread = f.max("repeat") - f.min("repeat")
             if "arm" in spread.dims:
                 spread = spread.max("arm")
             diff = np.fmax(diff, spread.transpose(*n.dims))
         else:
             bits = da.astype(np.int64)
-        hi = bits.where(m, hi_fill).max("repeat")
-        lo = bits.where(m, lo_fill).min("repeat")
+        hi = bits.where(mask, hi_fill).max("repeat")
+        lo = bits.where(mask, lo_fill).min("repeat")
         eq = (hi == lo) | (n < 1)
         if "arm" in eq.dims:
             eq = eq.all("arm")

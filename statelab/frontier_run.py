@@ -63,6 +63,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import specfile as sf
 from .errors import ConfigError, StatelabError
 from .specfile import check_prompt_fits, spec_error
 
@@ -155,8 +156,6 @@ def _err(path, msg: str) -> FrontierRunError:
 def load_spec(path: str | os.PathLike, check_model: bool = True) -> FrontierSpec:
     """Parse and validate a frontier spec; every error is a one-line :class:`FrontierRunError`.
     With ``check_model`` the GGUF header is read (no weights) to check selector layers."""
-    from . import specfile as sf
-
     path = Path(path)
     data = sf.load_toml_spec(path, "frontier spec", FrontierRunError, _TOP_KEYS, _REQUIRED)
 
@@ -759,13 +758,15 @@ def _pieces_lookup(units: dict):
 def write_outputs(out, result: Analysis) -> dict:
     """results.nc, contrasts.md, report.md and plots/ (score plots around every t*)."""
     from . import frontier as F
+    from .analysis import first_difference
     from .paths import atomic_write_text
 
     out = Path(out)
     ds, agr, spec = result.ds, result.agreement, result.spec
     norm = spec["normalized"]
     results = F.save_results(ds, out / "results.nc")
-    contrasts = atomic_write_text(out / "contrasts.md", F.contrast_table_markdown(ds))
+    contrast_md = F.contrast_table_markdown(ds)
+    contrasts = atomic_write_text(out / "contrasts.md", contrast_md)
     plots_dir = out / "plots"
     plots_dir.mkdir(exist_ok=True)
     for old in plots_dir.glob("*.png"):
@@ -790,18 +791,15 @@ def write_outputs(out, result: Analysis) -> dict:
     md.append("## Natural endpoints and controls\n")
     md.append("| task | n_prompt | direction | recipient natural | donor natural | first difference | "
               "EMPTY = recipient natural |\n|---|---|---|---|---|---|---|")
-    seen = set()
-    for (task, d, _r), m in result.units.items():
-        if (task, d) in seen:
-            continue
-        seen.add((task, d))
-        reps = [u for (t2, d2, _), u in result.units.items() if (t2, d2) == (task, d)]
+    by_pair: dict = {}
+    for (task, d, _r), u in result.units.items():
+        by_pair.setdefault((task, d), []).append(u)
+    for (task, d), reps in by_pair.items():
+        m = reps[0]
         passed = sum(1 for u in reps if u.get("control"))
         nr, nd = m.get("natural_recipient") or {}, m.get("natural_donor") or {}
         a, b = nr.get("tokens", []), nd.get("tokens", [])
-        fd = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if fd is None and len(a) != len(b):
-            fd = min(len(a), len(b))
+        fd = first_difference(a, b)
         md.append(f"| {task} | {m.get('n_prompt', '?')} | {d} | {len(a)} outputs ({nr.get('stop_reason')}) | "
                   f"{len(b)} outputs ({nd.get('stop_reason')}) | {'=' if fd is None else fd} | "
                   f"passed in {passed} of {len(reps)} repeats |")
@@ -828,7 +826,7 @@ def write_outputs(out, result: Analysis) -> dict:
                           f"{pv.get('arms', {}).get(arm, '')} |")
     md.append("\nArms with the same run imported byte-identical KV payloads and were decoded once per process.\n")
     md.append("## All contrasts\n")
-    md.append(F.contrast_table_markdown(ds))
+    md.append(contrast_md)
     if plots:
         md.append("## Plots\n")
         md += [f"![{p}](plots/{p})" for p in plots]

@@ -55,8 +55,9 @@ def import_and_continue(model, config, blob: bytes, logits0: np.ndarray, n_promp
         back = ctx.state_get()
         if back != blob:
             raise DecodeError("the state read back after import differs from the imported payload")
-        if ctx.seq_pos_max(0) != n_prompt - 1:
-            raise DecodeError(f"restored state ends at position {ctx.seq_pos_max(0)}, expected {n_prompt - 1}")
+        got = ctx.seq_pos_max(0)
+        if got != n_prompt - 1:
+            raise DecodeError(f"restored state ends at position {got}, expected {n_prompt - 1}")
         return continue_greedy(ctx, logits0, n_prompt, cap, trace)
 
 

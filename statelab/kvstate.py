@@ -173,6 +173,18 @@ def _parse_meta(r: _Reader, n_cells: int, ext_size: int, header_seq: int):
     return pos, tuple(seq_ids), ext
 
 
+def _read_rows(r: _Reader, what: str, t: int, dt: np.dtype, n_cells: int) -> np.ndarray:
+    """A u64 row size followed by ``n_cells`` token-major rows (K, or V when not transposed)."""
+    off = r.off
+    row = r.scalar("<Q", f"{what} row size")
+    if row == 0 or row % dt.itemsize:
+        raise KVFormatError(
+            f"{what} row size {row} at offset {off} is not a positive multiple of the "
+            f"{_type_name(t)} element size {dt.itemsize}"
+        )
+    return r.array(dt, (n_cells, row // dt.itemsize), f"{what} rows ({n_cells} x {row} bytes)")
+
+
 def _parse(buf: memoryview, ext_size: int) -> "KVState":
     r = _Reader(buf)
     magic = r.scalar("<I", "sequence-state magic")
@@ -235,14 +247,7 @@ def _parse(buf: memoryview, ext_size: int) -> "KVState":
         off = r.off
         t = r.scalar("<i", f"L{il}.K type")
         dt = _check_type(t, f"L{il}.K", off)
-        off = r.off
-        row = r.scalar("<Q", f"L{il}.K row size")
-        if row == 0 or row % dt.itemsize:
-            raise KVFormatError(
-                f"L{il}.K row size {row} at offset {off} is not a positive multiple of the "
-                f"{_type_name(t)} element size {dt.itemsize}"
-            )
-        k.append(r.array(dt, (n_cells, row // dt.itemsize), f"L{il}.K rows ({n_cells} x {row} bytes)"))
+        k.append(_read_rows(r, f"L{il}.K", t, dt, n_cells))
         k_types.append(t)
     for il in range(n_layer):
         off = r.off
@@ -262,14 +267,7 @@ def _parse(buf: memoryview, ext_size: int) -> "KVState":
                 raise KVFormatError(f"L{il}.V n_embd_v_gqa = 0 at offset {off}: unexpected layout")
             v.append(r.array(dt, (width, n_cells), f"L{il}.V values ({width} features x {n_cells} cells)"))
         else:
-            off = r.off
-            row = r.scalar("<Q", f"L{il}.V row size")
-            if row == 0 or row % dt.itemsize:
-                raise KVFormatError(
-                    f"L{il}.V row size {row} at offset {off} is not a positive multiple of the "
-                    f"{_type_name(t)} element size {dt.itemsize}"
-                )
-            v.append(r.array(dt, (n_cells, row // dt.itemsize), f"L{il}.V rows ({n_cells} x {row} bytes)"))
+            v.append(_read_rows(r, f"L{il}.V", t, dt, n_cells))
         v_types.append(t)
     if r.off != r.n:
         raise KVFormatError(
@@ -440,12 +438,13 @@ class KVState:
         for il, (a, t, row) in enumerate(zip(self.k, self.k_types, self.k_row_sizes)):
             parts.append(("meta", struct.pack("<iQ", int(t), row)))
             parts.append((f"L{il}.K", a))
-        for il, (a, t) in enumerate(zip(self.v, self.v_types)):
-            dt = _DTYPES[int(t)]
+        for il, (a, t, row, el, width) in enumerate(
+            zip(self.v, self.v_types, self.v_row_sizes, self.v_element_sizes, self.n_embd_v_gqa)
+        ):
             if self.v_trans:
-                parts.append(("meta", struct.pack("<iII", int(t), dt.itemsize, a.shape[0])))
+                parts.append(("meta", struct.pack("<iII", int(t), el, width)))
             else:
-                parts.append(("meta", struct.pack("<iQ", int(t), a.shape[1] * dt.itemsize)))
+                parts.append(("meta", struct.pack("<iQ", int(t), row)))
             parts.append((f"L{il}.V", a))
         return parts
 

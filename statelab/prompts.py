@@ -62,7 +62,11 @@ def from_file(path: str | Path) -> Prompt:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"prompt file not found: {p}")
-    return Prompt(f"file:{p.name}", p.read_text(encoding="utf-8"), str(p))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"prompt file is not UTF-8 text: {p} ({e.reason} at byte {e.start})") from None
+    return Prompt(f"file:{p.name}", text, str(p))
 
 
 def resolve(spec: str) -> Prompt:

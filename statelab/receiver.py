@@ -1,13 +1,14 @@
-"""The common receiver: restore KV + positions, consume the captured FP32 logits with the
-native greedy sampler (the first generated token is pending, not yet in KV), decode it
-exactly once at position n_prompt, continue to the output cap or end of generation."""
+"""The common receiver: after KV + positions are restored (intervene.import_and_continue,
+with read-back verification), consume the captured FP32 logits with the native greedy
+sampler (the first generated token is pending, not yet in KV), decode it exactly once at
+position n_prompt, continue to the output cap or end of generation."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import ConfigError, DecodeError
+from .errors import ConfigError
 
 DEFAULT_CAP = 128
 
@@ -77,16 +78,3 @@ def continue_greedy(ctx, logits0: np.ndarray, n_past: int, cap: int = DEFAULT_CA
     return Endpoint(np.asarray(out, dtype=np.int32), stop == "eog", stop,
                     np.stack(rows) if trace else None)
 
-
-def receive(model, config, blob: bytes, logits0: np.ndarray, n_prompt: int, cap: int = DEFAULT_CAP,
-            trace: bool = False) -> Endpoint:
-    """Restore a sequence state into a fresh context of `config` and continue greedily."""
-    from .runtime import Context
-
-    check_cap(cap)
-    with Context(model, config) as ctx:
-        ctx.state_set(blob)
-        got = ctx.seq_pos_max(0)
-        if got != n_prompt - 1:
-            raise DecodeError(f"restored state ends at position {got}, expected {n_prompt - 1}")
-        return continue_greedy(ctx, logits0, n_prompt, cap, trace)

@@ -328,14 +328,19 @@ class Selection:
     def n_layer(self) -> int:
         return len(self.k)
 
+    @staticmethod
+    def _selected_bytes(masks: list[np.ndarray], itemsizes: tuple[int, ...]) -> np.ndarray:
+        return np.array([int(np.count_nonzero(m)) * s for m, s in zip(masks, itemsizes)], dtype=np.int64)
+
     @property
     def k_bytes(self) -> np.ndarray:
         """Selected K bytes per layer (int64 array)."""
-        return np.array([int(np.count_nonzero(m)) * s for m, s in zip(self.k, self.k_itemsize)], dtype=np.int64)
+        return self._selected_bytes(self.k, self.k_itemsize)
 
     @property
     def v_bytes(self) -> np.ndarray:
-        return np.array([int(np.count_nonzero(m)) * s for m, s in zip(self.v, self.v_itemsize)], dtype=np.int64)
+        """Selected V bytes per layer (int64 array)."""
+        return self._selected_bytes(self.v, self.v_itemsize)
 
     @property
     def selected_bytes(self) -> int:
@@ -365,13 +370,12 @@ class Selection:
 
     def records(self) -> list[dict]:
         """One dict per layer and component: selected and total bytes."""
+        kb, vb = self.k_bytes, self.v_bytes
         out = []
         for il in range(self.n_layer):
-            for comp, m, s in (("K", self.k[il], self.k_itemsize[il]), ("V", self.v[il], self.v_itemsize[il])):
-                out.append({
-                    "layer": il, "component": comp, "selected_bytes": int(np.count_nonzero(m)) * s,
-                    "total_bytes": m.size * s,
-                })
+            for comp, sel, m, s in (("K", kb[il], self.k[il], self.k_itemsize[il]),
+                                    ("V", vb[il], self.v[il], self.v_itemsize[il])):
+                out.append({"layer": il, "component": comp, "selected_bytes": int(sel), "total_bytes": m.size * s})
         return out
 
     def _check_compatible(self, other: "Selection") -> None:

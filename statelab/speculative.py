@@ -155,8 +155,9 @@ class Transaction:
     def _target_prefill(self, tokens) -> np.ndarray:
         with self.guard.scope(self.t, "target") as layout:
             if layout == "GS":
-                for i, tok in enumerate(tokens):
-                    self.t.decode([tok], i, logits=None)
+                last = len(tokens) - 1
+                for i, tok in enumerate(tokens):  # logits of the last row only, as in the batched path
+                    self.t.decode([tok], i, logits=None if i == last else "none")
                     self.c.target_callers += 1
                     self.c.target_micrographs += 1
             else:
@@ -297,9 +298,10 @@ def check_draft(target_model, draft_model) -> None:
 class Runner:
     """Owns target and draft models and builds per-arm contexts."""
 
-    def __init__(self, target_model, draft_model=None, cfg: SpecConfig | None = None):
+    def __init__(self, target_model, draft_model=None, cfg: SpecConfig | None = None, vocab_checked: bool = False):
+        """vocab_checked: the caller already ran check_draft_paths on these files (before loading)."""
         self.tm, self.dm, self.cfg = target_model, draft_model, cfg or SpecConfig()
-        if draft_model is not None and draft_model is not target_model:
+        if draft_model is not None and draft_model is not target_model and not vocab_checked:
             check_draft(target_model, draft_model)
 
     def contexts(self, arm: Arm):

@@ -202,7 +202,10 @@ def test_lattice_relations(p):
     flat = x["L0_K"].to_flat()
     assert flat.dtype == bool and flat.size == sum(a.size for a in s.k + s.v)
     assert int(flat.sum()) == s.n_cells * s.n_embd_k_gqa[0]
-    assert len(x["ALL"].records()) == 2 * s.n_layer
+    recs = x["ALL"].records()
+    assert len(recs) == 2 * s.n_layer
+    assert sum(r["selected_bytes"] for r in recs) == sum(r["total_bytes"] for r in recs) == s.value_nbytes
+    assert [(r["layer"], r["component"]) for r in x["L0_K"].records() if r["selected_bytes"]] == [(0, "K")]
 
 
 def test_applying_all_and_empty():

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError
-from .capture import (OUTPUT_NAMES, Geometry, GraphRun, is_kv_cache_node, layer_filter, parse_geometry,
-                      parse_layers, parse_node_name, run_graph)
+from .capture import (OUTPUT_NAMES, Geometry, GraphRun, check_layer, is_kv_cache_node, layer_filter,
+                      parse_geometry, parse_layers, parse_node_name, run_graph)
 
 _KV_AXIS = re.compile(r"^kq(_soft_max)?(_pq\d+)?$")
 _HEAD_MAJOR = re.compile(r"^(kq(_soft_max)?(_pq\d+)?|kqv(_pq\d+)?|Qcur \(view\) \(permuted\))$")
@@ -309,11 +309,7 @@ def locate(model, tokens, geometry_a, geometry_b, base_config=None, *, layers="a
     toks = np.asarray(tokens, dtype=np.int32).ravel()
     if len(toks) < 1:
         raise ConfigError("the locator needs at least one token")
-    lay = parse_layers(layers, model.n_layer) if not isinstance(layers, list) else layers
-    if isinstance(layers, list):
-        for il in layers:
-            if not 0 <= il < model.n_layer:
-                raise ConfigError(f"layer {il} does not exist: the model has {model.n_layer} layers")
+    lay = [check_layer(model, il) for il in layers] if isinstance(layers, list) else parse_layers(layers, model.n_layer)
     want = layer_filter(lay, model.n_layer)
     ra = run_graph(model, toks, ga, base_config, want=want, logits=logits, n_ctx=n_ctx,
                    keep_data=_keep_data)

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError
-from .capture import parse_node_name
-from .e1 import LAYOUTS, PAIRS, STAGES, AttnCapture
+from .capture import VIEW_OPS, parse_node_name
+from .e1 import LAYOUTS, PAIRS, STAGES, AttnCapture, _f32
 
 REPLAY_OPS = ("MUL_MAT", "SOFT_MAX", "RMS_NORM", "MUL", "ADD")
 
@@ -37,11 +37,11 @@ REPLAY_OPS = ("MUL_MAT", "SOFT_MAX", "RMS_NORM", "MUL", "ADD")
 def _device(device):
     from ..runtime.ggml_ops import backend_devices
 
+    if hasattr(device, "handle"):  # already resolved: no device enumeration (memory queries) per replay
+        return device
     devs = backend_devices()
     if device is None:
         return devs[0]
-    if hasattr(device, "handle"):
-        return device
     if isinstance(device, int):
         if not 0 <= device < len(devs):
             raise ConfigError(f"device {device} does not exist ({len(devs)} backend devices)")
@@ -229,12 +229,6 @@ def _overlaps(a: tuple, b: tuple) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
-def _f32(word: int) -> float:
-    import struct
-
-    return struct.unpack("<f", struct.pack("<i", int(word)))[0]
-
-
 def replay_node(node, device=None, threads: int | None = None, src_override: dict | None = None) -> np.ndarray:
     """Re-run one captured operator call from its captured operands; returns its output."""
     from ..runtime.ggml_ops import OpGraph
@@ -277,12 +271,13 @@ def replay_ops(run, layer: int | None = None, device=None, threads: int | None =
         nodes = [n for n in nodes if n.call == first_call]
     if layer is not None:
         nodes = [n for n in nodes if parse_node_name(n.name, n.op)[1] == layer]
+    dev = _device(device)
     out = []
     produced = {}
     for n in sorted(nodes, key=lambda x: x.index):
         lay = parse_node_name(n.name, n.op)[1]
         if n.op not in REPLAY_OPS:
-            if n.op not in ("VIEW", "PERMUTE", "RESHAPE", "TRANSPOSE", "NONE"):
+            if n.op not in VIEW_OPS:
                 out.append(OpReplay(n.name, n.op, lay, n.call, n.graph, "unsupported", "operator not replayed",
                                     np.nan, None))
             produced[n.name] = n
@@ -293,7 +288,7 @@ def replay_ops(run, layer: int | None = None, device=None, threads: int | None =
             produced[n.name] = n
             continue
         aliased = [s for s in n.srcs if _overlaps(s.span, n.span)]
-        got = replay_node(n, device, threads)
+        got = replay_node(n, dev, threads)
         native = np.asarray(n.data)
         same = got.shape == native.shape and got.tobytes() == native.tobytes()
         fin = np.isfinite(got) & np.isfinite(native) if got.shape == native.shape else None
@@ -307,7 +302,7 @@ def replay_ops(run, layer: int | None = None, device=None, threads: int | None =
                 if prod is not None and prod.data is not None and tuple(prod.ne) == tuple(s.ne):
                     fixes[s.slot] = prod.data
             if len(fixes) == len(aliased):
-                again = replay_node(n, device, threads, fixes)
+                again = replay_node(n, dev, threads, fixes)
                 requal = again.tobytes() == native.tobytes()
             status = "aliased" if not same else "qualified"
             reason = (f"operand {names} shares its bytes with this call's output (in-place consumer): "

@@ -73,7 +73,7 @@ class Model(Closing):
             self._devs = (ctypes.c_void_p * 1)(None)  # empty list: CPU only
         else:
             devs = devices_for_backend(backend)
-            if device >= len(devs):
+            if not 0 <= device < len(devs):
                 raise ConfigError(f"backend {backend} has {len(devs)} device(s); device {device} does not exist")
             self._devs = (ctypes.c_void_p * 2)(devs[device].handle, None)
             params.n_gpu_layers = -1 if n_gpu_layers is None else n_gpu_layers
@@ -246,8 +246,11 @@ class Context(Closing):
         self.ptr = ptr
         self.n_ctx = L.llama_n_ctx(ptr)
         self.mem = L.llama_get_memory(ptr)
-        self._batch = L.llama_batch_init(max(c.n_batch, 1), 0, 1)
-        self._batch_cap = max(c.n_batch, 1)
+        self._batch_cap = c.n_batch  # >= 1 (ContextConfig checks it)
+        self._batch = L.llama_batch_init(c.n_batch, 0, 1)
+        # every row belongs to exactly one sequence: n_seq_id is written once here, not per decode
+        ones = np.ones(c.n_batch, dtype=np.int32)  # named: .ctypes.data does not keep the array alive
+        ctypes.memmove(self._batch.n_seq_id, ones.ctypes.data, ones.nbytes)
         self.n_vocab = model.n_vocab
         self._greedy = L.llama_sampler_init_greedy()
         self._cand = np.zeros(self.n_vocab, dtype=[("id", np.int32), ("logit", np.float32), ("p", np.float32)])
@@ -285,18 +288,16 @@ class Context(Closing):
         ctypes.memmove(b.token, toks.ctypes.data, 4 * n)
         pos = np.arange(pos0, pos0 + n, dtype=np.int32)
         ctypes.memmove(b.pos, pos.ctypes.data, 4 * n)
-        nsq = np.ones(n, dtype=np.int32)
-        ctypes.memmove(b.n_seq_id, nsq.ctypes.data, 4 * n)
         for i in range(n):
             b.seq_id[i][0] = seq_id
-        ctypes.memmove(b.logits, want.astype(np.int8).ctypes.data, n)
+        flags = want.astype(np.int8)  # named: a temporary would be freed before memmove reads it
+        ctypes.memmove(b.logits, flags.ctypes.data, n)
         if self.capture is not None:
             self.capture.calls = self.n_decode_calls
         rc = L.llama_decode(self.ptr, b)
         self.n_decode_calls += 1
         if rc != 0:
             raise DecodeError(f"llama_decode returned {rc} for {n} tokens at position {pos0}")
-        self._last_rows = want
 
     def logits(self, row: int = -1) -> np.ndarray:
         """FP32 copy of the logits of a row of the last decode call (-1: the last row that had logits)."""

@@ -207,7 +207,8 @@ class GraphCapture(TensorCapture):
     def _record(self, ptr: int, name: str) -> CapturedNode:
         g = ggml()
         t = tensor_info(ptr)
-        keep = self.keep_data(name, g.ggml_op_desc(ptr).decode()) if self.keep_data else True
+        op = g.ggml_op_desc(ptr).decode()
+        keep = self.keep_data(name, op) if self.keep_data else True
         if keep:
             ct = read_tensor(ptr)
             data = ct.data
@@ -216,7 +217,7 @@ class GraphCapture(TensorCapture):
         with_srcs = bool(self.want_srcs(name))
         srcs = [_source_info(s, i, with_srcs) for i, s in enumerate(t.src) if s]
         vs = t.view_src
-        node = CapturedNode(name, g.ggml_op_desc(ptr).decode(), g.ggml_type_name(t.type).decode(),
+        node = CapturedNode(name, op, g.ggml_type_name(t.type).decode(),
                             tuple(int(x) for x in t.ne), tuple(int(x) for x in t.nb), data, self.calls,
                             graph=self._graph, index=self._index, addr=int(t.data or 0),
                             nbytes=int(g.ggml_nbytes(ptr)), op_params=tuple(int(x) for x in t.op_params),

@@ -39,7 +39,7 @@ def llama():
         mod = importlib.import_module("llama_cpp")
     except ImportError as e:
         raise NativeBuildError(f"the native build (llama_cpp) is not installed: {e}; {INSTALL_HINT}") from None
-    except (OSError, RuntimeError, FileNotFoundError) as e:
+    except (OSError, RuntimeError) as e:
         raise NativeBuildError(f"the native library failed to load: {e}; {INSTALL_HINT}") from None
     mod.llama_log_set(_LOG_CB, None)
     # Backends register on first use and some print straight to stderr (a Vulkan build on a
@@ -149,9 +149,10 @@ def devices_for_backend(backend: str) -> list[Device]:
     if backend == "cpu":
         return []
     want = {"cuda": "CUDA", "vulkan": "Vulkan"}[backend]
-    found = [d for d in list_devices() if d.registry.lower() == want.lower()]
+    devices = list_devices()
+    found = [d for d in devices if d.registry.lower() == want.lower()]
     if not found:
-        have = ", ".join(f"{d.registry}:{d.name}" for d in list_devices()) or "none"
+        have = ", ".join(f"{d.registry}:{d.name}" for d in devices) or "none"
         raise ConfigError(f"backend {backend!r} has no device in this build/machine (devices: {have})")
     return found
 
@@ -166,6 +167,8 @@ def build_identity() -> dict:
     except OSError:
         raise NativeBuildError(f"llama_cpp is installed but has no statelab build identity ({path}); "
                                f"it was not built by native/build.py; {INSTALL_HINT}") from None
+    except ValueError as e:
+        raise NativeBuildError(f"the statelab build identity {path} is not valid JSON: {e}; {INSTALL_HINT}") from None
     ident["llama_cpp_python"] = getattr(mod, "__version__", "?")
     if os.environ.get("LLAMA_CPP_LIB_PATH"):  # llama_cpp then loads libllama from there, not from the build
         ident["lib_override"] = os.environ["LLAMA_CPP_LIB_PATH"]

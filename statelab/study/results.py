@@ -22,7 +22,7 @@ from ..analysis import (class_matrix_markdown, magnitude_separability, non_monot
                         repeat_agreement, selector_lattice)
 from ..paths import atomic_path, atomic_write_text
 from .spec import StudyError, cell_key
-from .store import CellLog, StudyDir
+from .store import CellLog, StudyDir, first_ok
 
 INT_VARS = ("first_diff_recipient", "first_diff_donor", "selected_bytes", "changed_bytes", "length")
 FLOAT_VARS = ("share", "max_abs", "l2", "l2_rel")
@@ -57,11 +57,7 @@ def load_state(out) -> tuple[StudyDir, dict, dict, list[dict], dict[str, dict]]:
     spec = sdir.read_spec()
     controls = sdir.all_controls()
     records = CellLog(sdir.cells_path).records()
-    ok = {}
-    for r in records:
-        if r.get("status") == "ok" and r.get("spec_hash") == spec["spec_hash"]:
-            ok.setdefault(r["key"], r)
-    return sdir, spec, controls, records, ok
+    return sdir, spec, controls, records, first_ok(records, spec["spec_hash"])
 
 
 def compile_dataset(spec: dict, ok: dict[str, dict], records: list[dict], controls: dict[str, dict]) -> xr.Dataset:
@@ -299,7 +295,7 @@ def report_markdown(sdir: StudyDir, spec: dict, controls: dict, records: list[di
             f"backend {norm['backend']}, threads {norm['threads']}, n_ctx {norm['n_ctx']}",
             f"- arms: {arms}; directions: {', '.join(norm['directions'])}",
             f"- output cap {norm['cap']}; {norm['repeats']} repeats, each in its own process",
-            f"- selectors: " + ", ".join(f"{s['name']} {s['terms']}" for s in norm["selectors"]),
+            "- selectors: " + ", ".join(f"{s['name']} {s['terms']}" for s in norm["selectors"]),
             f"- cells: {ds.status.size} planned; {n['ok']} done, {n['failed']} failed, {n['withheld']} withheld, "
             f"{n['pending']} pending", ""]
     out = "\n".join(head)

@@ -120,11 +120,7 @@ class CellLog:
     def done(self, spec_hash: str | None = None) -> dict[str, dict]:
         """key -> the first successful record (later duplicates, which a correct runner never
         writes, are ignored)."""
-        out: dict[str, dict] = {}
-        for r in self.records():
-            if r.get("status") == "ok" and (spec_hash is None or r.get("spec_hash") == spec_hash):
-                out.setdefault(r["key"], r)
-        return out
+        return first_ok(self.records(), spec_hash)
 
     def append(self, record: dict) -> None:
         line = json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n"
@@ -133,3 +129,12 @@ class CellLog:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
+
+
+def first_ok(records: list[dict], spec_hash: str | None = None) -> dict[str, dict]:
+    """key -> the first successful record of ``spec_hash`` (any spec when None) among ``records``."""
+    out: dict[str, dict] = {}
+    for r in records:
+        if r.get("status") == "ok" and (spec_hash is None or r.get("spec_hash") == spec_hash):
+            out.setdefault(r["key"], r)
+    return out
