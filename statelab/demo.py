@@ -7,6 +7,7 @@ ways, summarised as a table and written to a Markdown report.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -44,6 +45,9 @@ def selector_matrix(console, model_path, backend: str, arms: dict, tasks: list[s
     from .study.runner import run_study
 
     names = list(arms)[:2]
+    workers = 2
+    # ggml's threads spin-wait: never give the workers together more threads than there are cores
+    threads = threads or max(1, (os.cpu_count() or workers) // workers)
     lines = [f'name = "demo-selector-matrix-{backend}"', f'backend = "{backend}"', f"threads = {threads}",
              f"cap = {cap}", "repeats = 2", f"prompts = {json.dumps(tasks)}", f"selectors = {json.dumps(SELECTOR_MATRIX)}",
              f'directions = ["{names[0]}->{names[1]}", "{names[1]}->{names[0]}"]']
@@ -52,7 +56,7 @@ def selector_matrix(console, model_path, backend: str, arms: dict, tasks: list[s
     lines += ["", "[arms]"] + [f'{n} = "{arms[n].name}"' for n in names]
     spec_path = Path(out).with_suffix(".toml")
     atomic_write_text(spec_path, "\n".join(lines) + "\n")
-    summary = run_study(spec_path, out, executor="local", workers=2, reporter=RichReporter(console))
+    summary = run_study(spec_path, out, executor="local", workers=workers, reporter=RichReporter(console))
     ds = xr.load_dataset(summary.results)
     effects = [str(t) for t in ds["task"].values if (ds["klass"].sel(task=t) == "B").any()]
     report = Path(summary.report).read_text()
