@@ -50,9 +50,12 @@ def write_files_atomic(dest: Path, files: dict[str, bytes], manifest: dict, over
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         manifest = dict(manifest, files={name: _sha(data) for name, data in files.items()})
-        for name, data in files.items():
-            (tmp / name).write_bytes(data)
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        payload = {**files, "manifest.json": json.dumps(manifest, indent=2, sort_keys=True).encode()}
+        for name, data in payload.items():  # durable before the folder is renamed into place
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)
@@ -107,11 +110,15 @@ def load_capture(src: str | os.PathLike) -> Capture:
     logits = np.load(io.BytesIO(files["logits.npy"]), allow_pickle=False)
     blob = files["kv.bin"]
     state = KVState.parse(blob)
-    if state.sha256() != manifest["kv"]["sha256"]:
+    if state.sha256() != manifest.get("kv", {}).get("sha256"):
         raise ArchiveError(f"{src}: KV payload hash differs from the manifest")
-    cap = Capture(manifest["prompt"]["id"], manifest["prompt"]["sha256"], tokens, logits, blob,
-                  Schedule.from_dict(manifest["schedule"]), manifest["identity"], manifest.get("extra", {}))
-    if cap.hashes() != manifest["hashes"]:
+    try:
+        cap = Capture(manifest["prompt"]["id"], manifest["prompt"]["sha256"], tokens, logits, blob,
+                      Schedule.from_dict(manifest["schedule"]), manifest["identity"], manifest.get("extra", {}))
+        hashes = manifest["hashes"]
+    except (KeyError, TypeError) as e:
+        raise ArchiveError(f"{src}: manifest lacks or mangles the field {e}") from None
+    if cap.hashes() != hashes:
         raise ArchiveError(f"{src}: capture hashes differ from the manifest")
     cap.__dict__["_state"] = state
     return cap

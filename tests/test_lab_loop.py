@@ -1,4 +1,5 @@
 """The state lab loop on the real model (CPU): codec on real states, shams, crosses, archive errors."""
+import json
 
 import numpy as np
 import pytest
@@ -150,3 +151,13 @@ def test_cli_capture_diff_cross_nothing_half_written(cli, tmp_path):
     bad = cli("capture", tmp_path / "bad", "-H", "2", "-s", "200+rest")
     assert bad.returncode != 0 and "at or past the prompt length" in bad.stderr
     assert not (tmp_path / "bad").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".bad")]
+
+
+def test_manifest_missing_a_field_is_a_clear_error(arms, tmp_path):
+    c, _ = arms["HumanEval/2"]["A"]
+    d = save_capture(c, tmp_path / "cap")
+    m = json.loads((d / "manifest.json").read_text())
+    del m["schedule"]
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArchiveError, match="manifest lacks or mangles the field 'schedule'"):
+        load_capture(d)
