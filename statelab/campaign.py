@@ -65,7 +65,7 @@ class CampaignSpec:
             raise ConfigError("a campaign needs the reference arm R for qualification")
         for p in self.prompts:
             prompts.resolve(p)
-        SpecConfig(k=self.k, ubatch=self.ubatch, mask=self.mask, cap=self.cap)
+        self.spec_config()  # its checks (k, ubatch, mask, cap)
         if self.sessions < 1 or self.repeats < 1:
             raise ConfigError("sessions and repeats must be >= 1")
 
