@@ -166,8 +166,11 @@ def obtain_sdist(explicit: str | None, offline: bool) -> Path:
 
 def apply_patches(tree: Path, patches: list[Path]) -> None:
     for p in patches:
-        r = subprocess.run(["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch",
-                            "-d", str(tree), "-i", str(p)], capture_output=True, text=True)
+        if shutil.which("patch"):
+            cmd = ["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch", "-d", str(tree), "-i", str(p)]
+        else:  # an image without patch(1): git apply works outside a repository too
+            cmd = ["git", "-C", str(tree), "apply", "-p1", str(p.resolve())]
+        r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise BuildError(f"patch {p.name} does not apply:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
 
@@ -178,9 +181,9 @@ def build_key(ident: dict) -> str:
     return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def identity(backend: str, upto: str | None = None) -> dict:
+def identity(backend: str, upto: str | None = None, extra_cmake: list[str] | None = None) -> dict:
     patches = patch_series(upto)
-    cmake_args = COMMON_CMAKE + BACKEND_CMAKE[backend]
+    cmake_args = COMMON_CMAKE + BACKEND_CMAKE[backend] + list(extra_cmake or [])
     return {
         "sdist": f"{SDIST_NAME}=={SDIST_VERSION}",
         "sdist_sha256": SDIST_SHA256,
@@ -195,11 +198,19 @@ def identity(backend: str, upto: str | None = None) -> dict:
     }
 
 
-def build_wheel(sdist: Path, ident: dict, out_dir: Path, jobs: int) -> Path:
+def build_wheel(sdist: Path | None, ident: dict, out_dir: Path, jobs: int, tree: Path | None = None) -> Path:
+    """Build from the sdist, or from ``tree``, an unpacked copy of it (copied, then patched; used
+    where the 73 MB sdist cannot travel, e.g. to a lent GPU machine)."""
     with tempfile.TemporaryDirectory(prefix="statelab-build-") as tmp:
         tmp = Path(tmp)
-        with tarfile.open(sdist) as tar:
-            tar.extractall(tmp, filter="data")
+        if tree is None:
+            with tarfile.open(sdist) as tar:
+                tar.extractall(tmp, filter="data")
+        else:
+            if not (tree / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
+                raise BuildError(f"{tree} is not an unpacked {SDIST_FILE} (no vendor/llama.cpp/CMakeLists.txt)")
+            shutil.copytree(tree, tmp / SDIST_FILE.removesuffix(".tar.gz"), symlinks=True)
+            ident = dict(ident, source="tree (unpacked sdist, not hash-verified)")
         tree = tmp / SDIST_FILE.removesuffix(".tar.gz")
         apply_patches(tree, [PATCH_DIR / n for n in ident["patches"]])
         ident = dict(ident, build_key=build_key(ident),
@@ -247,16 +258,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default=os.environ.get("STATELAB_BACKEND", "cpu"),
                     help="cpu (default), vulkan (includes the CPU backend) or cuda")
     ap.add_argument("--sdist", help="a local copy of the pinned sdist (verified by sha256)")
+    ap.add_argument("--tree", help="build from an unpacked copy of the pinned sdist instead (not hash-verified)")
     ap.add_argument("--offline", action="store_true", help="never download")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--no-install", action="store_true", help="build or find the wheel only")
     ap.add_argument("--print-key", action="store_true", help="print the cache key and exit")
     ap.add_argument("--upto", help="apply only the patches up to this prefix (e.g. 0001: no layouts)")
+    ap.add_argument("--cmake-arg", action="append", default=[], metavar="-DNAME=VALUE",
+                    help="an extra CMake argument (repeatable; part of the build key), e.g. a toolchain "
+                         "in its own prefix: -DVulkan_GLSLC_EXECUTABLE=/opt/vk/usr/bin/glslc")
     args = ap.parse_args(argv)
     try:
         if args.backend not in BACKEND_CMAKE:
             raise BuildError(f"unknown backend {args.backend!r}; choose one of {sorted(BACKEND_CMAKE)}")
-        ident = identity(args.backend, args.upto)
+        ident = identity(args.backend, args.upto, args.cmake_arg)
         key = build_key(ident)
         if args.print_key:
             print(key)
@@ -269,7 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"[native] building {args.backend} build {key} "
                   f"(patches: {', '.join(ident['patches']) or 'none'})", flush=True)
-            wheel = build_wheel(obtain_sdist(args.sdist, args.offline), ident, out_dir, args.jobs)
+            if args.tree:
+                wheel = build_wheel(None, ident, out_dir, args.jobs, tree=Path(args.tree))
+            else:
+                wheel = build_wheel(obtain_sdist(args.sdist, args.offline), ident, out_dir, args.jobs)
         if not args.no_install:
             install_wheel(wheel)
             print(f"[native] installed {wheel.name} ({args.backend}) from {out_dir}", flush=True)
