@@ -1,32 +1,134 @@
-"""Speculative request-time ratios on this machine, qualified arms only.
+"""Speculative request-time ratios on this machine, qualified arms only, and the cost of a
+verify call by its number of rows.
 
-    .venv/bin/python benchmarks/speculative.py [studies/spec-cpu.toml]
+    .venv/bin/python benchmarks/speculative.py [SPEC] [--draft D] [--k K] [--k-max K] [--sessions N]
+                                               [--rows] [--no-write] [--out DIR]
 
-Runs `statelab spec campaign` (fresh worker process per block, counterbalanced order,
-sessions, percentile bootstrap of session log contrasts) and writes its qualification and
-ratio tables into docs/benchmarks.md.  Goals from the issue: C_PQ/C_QB >= 1.05,
-C_GS/C_QB >= 1.5, C_QB/M0 <= 1.10, R/C_QB > 1; an arm that does not reproduce R is not timed.
+SPEC defaults to studies/spec-cpu.toml; studies/spec-cpu-ngram.toml and
+studies/spec-cuda-ngram.toml (the H200 table, one command) use the model-free n-gram
+drafter.  Runs `statelab spec campaign` (fresh worker process per block, counterbalanced
+order, sessions, percentile bootstrap of session log contrasts) and writes its
+qualification, drafting-cycle and ratio tables into docs/benchmarks.md (section
+speculative-<backend>[-ngram]).  An arm that does not reproduce R is not timed.
+
+--rows adds the verify-cost sweep: in one context of the spec's first drafting arm's
+layout, the median time of one decode call of r rows (r = 1 .. k_max+1) with logits for
+every row and the vectorised greedy choice, when every call has the same shape (the graph
+is reused) and when the shape changes from call to call (rebuilt), plus the cache removal.
+Goals from the issue: R/C_QB >= 1.5 with the n-gram drafter on the H200, 100% qualification.
 """
 from __future__ import annotations
 
-import sys
+import argparse
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
+import numpy as np
 from _report import machine, update_section
 
 from statelab.campaign import CampaignSpec, run_campaign
+from statelab.speculative import Arm, is_ngram
+
+GOAL = ("R", "C_QB", 1.5)
+
+
+def rows_sweep(spec: CampaignSpec, rounds: int = 40) -> str:
+    """Median ms of one verify call by rows: fixed shape (graph reused) against a changing shape."""
+    from statelab import prompts
+    from statelab.runtime import Context, ContextConfig, Model, layouts, prepare_backend
+
+    cfg = spec.spec_config()
+    arm = next((Arm.parse(a) for a in spec.arms if Arm.parse(a).draft), Arm.parse("C_QB"))
+    layout = arm.layout if arm.layout in ("QB", "PQ") else "MQ"
+    prepare_backend(spec.backend)
+    model = Model(spec.model, backend=spec.backend)
+    rmax = cfg.rows
+    ctx = Context(model, ContextConfig(backend=spec.backend, n_ctx=cfg.n_ctx, n_batch=512,
+                                       n_ubatch=cfg.target_ubatch, n_threads=cfg.threads))
+    try:
+        if layout != "MQ":
+            layouts.set_max_queries(ctx, cfg.queries)
+            layouts.set_layout(ctx, layout)
+        toks = model.tokenize(prompts.resolve(spec.prompts[0]).text)
+        n0 = len(toks)
+        ctx.decode(toks, 0)
+        rng = np.random.default_rng(0)
+        pad = np.resize(toks, rmax)
+
+        def call(r: int) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            ctx.decode(pad[:r], n0, logits="all")
+            ctx.argmax_rows(r)
+            t1 = time.perf_counter()
+            ctx.seq_rm(0, n0, -1)
+            return t1 - t0, time.perf_counter() - t1
+
+        fixed, rm = {}, []
+        for r in range(1, rmax + 1):
+            call(r)
+            call(r)  # warm: the graph of this shape is built and reused from here on
+            ts = [call(r) for _ in range(rounds)]
+            fixed[r] = statistics.median(t for t, _ in ts)
+            rm += [x for _, x in ts]
+        shapes = rng.permutation(np.resize(np.arange(1, rmax + 1), rounds * 2))
+        shapes[1:][shapes[1:] == shapes[:-1]] = shapes[1:][shapes[1:] == shapes[:-1]] % rmax + 1
+        changing: dict[int, list] = {}
+        for r in shapes:  # the previous call had another shape: the graph is rebuilt
+            changing.setdefault(int(r), []).append(call(int(r))[0])
+    finally:
+        ctx.close()
+        model.close()
+    one = fixed[1]
+    lines = [f"Verify-call cost by rows ({spec.backend}, layout {layout}, ubatch {cfg.target_ubatch}, "
+             f"{rounds} calls per shape after two warm-up calls; decode + logits for every row + vectorised "
+             f"greedy choice; median ms):\n",
+             "| rows | same shape every call (ms) | x one row | shape changes every call (ms) | x one row |",
+             "|---|---|---|---|---|"]
+    for r in range(1, rmax + 1):
+        ch = statistics.median(changing.get(r, [float("nan")]))
+        lines.append(f"| {r} | {1e3 * fixed[r]:.3f} | {fixed[r] / one:.2f} | {1e3 * ch:.3f} | {ch / one:.2f} |")
+    lines.append(f"\nCache removal after a call (llama_memory_seq_rm): median {1e6 * statistics.median(rm):.1f} us.\n")
+    return "\n".join(lines)
 
 
 def main():
-    spec_path = Path(sys.argv[1] if len(sys.argv) > 1 else "studies/spec-cpu.toml")
-    spec = CampaignSpec.load(spec_path)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("spec", nargs="?", default="studies/spec-cpu.toml")
+    ap.add_argument("--draft")
+    ap.add_argument("--k", type=int)
+    ap.add_argument("--k-max", type=int)
+    ap.add_argument("--sessions", type=int)
+    ap.add_argument("--rows", action="store_true", help="add the verify-cost sweep by rows")
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--out", help="keep the campaign's files here (default: a temporary folder)")
+    a = ap.parse_args()
+    spec_path = Path(a.spec)
+    spec = CampaignSpec.load(spec_path, draft=a.draft, k=a.k, k_max=a.k_max, sessions=a.sessions)
+    opts = "".join(f" --{n.replace('_', '-')} {v}" for n, v in (("draft", a.draft), ("k", a.k), ("k_max", a.k_max),
+                                                              ("sessions", a.sessions)) if v is not None)
+    opts += " --rows" if a.rows else ""
     with tempfile.TemporaryDirectory() as tmp:
-        res = run_campaign(spec, Path(tmp))
-    body = (f"Command: `.venv/bin/python benchmarks/speculative.py {spec_path}`  \n{machine()}.\n\n"
-            + res["report"].split("\n", 1)[1].replace("## ", "#### "))
+        res = run_campaign(spec, Path(a.out or tmp))
+    ngram = is_ngram(spec.draft)
+    body = f"Command: `.venv/bin/python benchmarks/speculative.py {spec_path}{opts}`  \n{machine()}.\n\n"
+    goal = next((r for r in res["contrasts"] if r["ratio"] == f"{GOAL[0]}/{GOAL[1]}"), None)
+    if ngram and goal is not None:
+        arms_q = all(r["qualified"] for r in res["records"])
+        est = (f"{goal['estimate']:.3f} | [{goal['lower']:.3f}, {goal['upper']:.3f}]" if goal["qualified"]
+               else f"— | {goal['note']}")
+        met = goal["qualified"] and goal["estimate"] >= GOAL[2] and arms_q
+        body += ("| figure | estimate | interval | goal |\n|---|---|---|---|\n"
+                 f"| R/C_QB (ngram, {spec.backend}) | {est} | >= {GOAL[2]} with 100% qualification: "
+                 f"{'met' if met else 'not met'} |\n\n")
+    body += res["report"].split("\n", 1)[1].replace("## ", "#### ")
+    if a.rows:
+        body += "\n#### Verify cost by rows\n\n" + rows_sweep(spec)
     print(body)
-    update_section(f"speculative-{spec.backend}", f"Speculative arms ({spec.backend})", body)
+    if not a.no_write:
+        key = f"speculative-{spec.backend}" + ("-ngram" if ngram else "")
+        update_section(key, f"Speculative arms ({spec.backend}{', n-gram drafter' if ngram else ''})", body)
 
 
 if __name__ == "__main__":

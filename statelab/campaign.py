@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .paths import atomic_path, atomic_write_text
-from .speculative import Arm, SpecConfig, check_mask
+from .speculative import Arm, SpecConfig, check_mask, is_ngram, parse_ngram
 
 DEFAULT_RATIOS = (("C_PQ", "C_QB"), ("C_GS", "C_QB"), ("C_QB", "M0"), ("R", "C_QB"))
 
@@ -26,20 +26,23 @@ class CampaignSpec:
     sessions: int = 2
     repeats: int = 1  # requests per (session, prompt, arm) block
     k: int = 3
-    ubatch: int = 4
+    ubatch: int = 0  # 0: follows k (k_max + 1 rows per micrograph)
     mask: int = 3
     cap: int = 64
     backend: str = "cpu"
     threads: int = 0
     model: str | None = None
-    draft: str | None = "self"  # "self", a GGUF path, or "derive:N" (first N layers of the target)
+    draft: str | None = "self"  # "self", a GGUF path, "derive:N" (first N layers of the target), "ngram[:NMIN-NMAX]"
+    k_max: int | None = None  # adaptive k within [1, k_max]
+    fixed_rows: bool = False  # every verify submits k_max + 1 rows (one graph shape)
     ratios: list[list[str]] = field(default_factory=lambda: [list(r) for r in DEFAULT_RATIOS])
     threshold: float = 1.02
     seed: int = 20261014
     resamples: int = 10000
 
     @classmethod
-    def load(cls, path: str | Path) -> "CampaignSpec":
+    def load(cls, path: str | Path, **overrides) -> "CampaignSpec":
+        """Read a spec; keyword overrides that are not None replace its values."""
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"campaign spec not found: {p}")
@@ -52,7 +55,7 @@ class CampaignSpec:
         bad = sorted(set(raw) - known)
         if bad:
             raise ConfigError(f"{p}: unknown keys {bad}; known: {sorted(known)}")
-        spec = cls(**raw)
+        spec = cls(**{**raw, **{k: v for k, v in overrides.items() if v is not None}})
         spec.validate()
         return spec
 
@@ -63,23 +66,47 @@ class CampaignSpec:
             Arm.parse(a)
         if "R" not in self.arms:
             raise ConfigError("a campaign needs the reference arm R for qualification")
+        seen: dict[str, str] = {}
         for p in self.prompts:
-            prompts.resolve(p)
+            key = prompt_key(prompts.resolve(p))
+            if key in seen:
+                raise ConfigError(f"prompts {seen[key]!r} and {p!r} are the same prompt ({key})")
+            seen[key] = p
+        if is_ngram(self.draft):
+            parse_ngram(self.draft)
         self.spec_config()  # its checks (k, ubatch, mask, cap)
         if self.sessions < 1 or self.repeats < 1:
             raise ConfigError("sessions and repeats must be >= 1")
 
     def spec_config(self) -> SpecConfig:
         return SpecConfig(k=self.k, ubatch=self.ubatch, mask=self.mask, cap=self.cap, backend=self.backend,
-                          threads=self.threads)
+                          threads=self.threads, k_max=self.k_max, fixed_rows=self.fixed_rows)
+
+    def prompt_table(self) -> list[tuple[str, str]]:
+        """(spec string, prompt key) in the spec's order."""
+        from . import prompts
+
+        return [(p, prompt_key(prompts.resolve(p))) for p in self.prompts]
+
+
+def prompt_key(prompt) -> str:
+    """How campaigns identify a prompt: its id and the first 12 hex digits of its text's sha256
+    (a Prompt, or a record with 'prompt' and 'prompt_sha256')."""
+    if isinstance(prompt, dict):
+        return f"{prompt['prompt']}@{prompt['prompt_sha256'][:12]}"
+    return f"{prompt.id}@{prompt.sha256[:12]}"
 
 
 def resolve_draft(target_path, draft: str | None, cache_dir: Path | None = None):
-    """'self' -> the target itself; 'derive:N' -> a cached first-N-layers copy; else a path."""
+    """'self' -> the target itself; 'derive:N' -> a cached first-N-layers copy; 'ngram...' (a
+    model-free drafter) as it is; else a path."""
     if draft in (None, "", "none"):
         return None
     if draft == "self":
         return "self"
+    if is_ngram(draft):
+        parse_ngram(draft)
+        return draft
     if draft.startswith("derive:"):
         from .derive import derive_truncated
         from .models import model_sha256, resolve_model
@@ -101,6 +128,8 @@ def _load_runner(model_path, draft, cfg: SpecConfig):
     prepare_backend(cfg.backend)
     tm = Model(model_path, backend=cfg.backend)
     dm = None
+    if is_ngram(draft):
+        return Runner(tm, None, cfg, draft=draft)
     if draft == "self":
         dm = tm
     elif draft:
@@ -122,7 +151,7 @@ def _worker(job: dict) -> list[dict]:
     for i in range(job["repeats"]):
         r = runner.run(job["arm"], p, warmup=(i == 0))
         rec = r.record()
-        rec.update(session=job["session"], block=job["block"], request=i)
+        rec.update(session=job["session"], block=job["block"], request=i, spec=job["prompt"], key=prompt_key(p))
         out.append(rec)
     return out
 
@@ -153,15 +182,17 @@ def plan(spec: CampaignSpec, draft: str | None) -> list[dict]:
 
 
 def qualify_records(records: list[dict]) -> list[dict]:
-    """Each record qualifies when its complete endpoint equals every R endpoint of its prompt."""
+    """Each record qualifies when its complete endpoint equals every R endpoint of its prompt
+    (the same id and text sha256)."""
     from .analysis import first_difference
 
     refs: dict[str, list] = {}
     for r in records:
+        r.setdefault("key", prompt_key(r))
         if r["arm"] == "R":
-            refs.setdefault(r["prompt"], []).append((tuple(r["tokens"]), r["eog"]))
+            refs.setdefault(r["key"], []).append((tuple(r["tokens"]), r["eog"]))
     for r in records:
-        ref = refs.get(r["prompt"])
+        ref = refs.get(r["key"])
         if not ref:
             r["qualified"], r["first_diff"] = None, None
             continue
@@ -190,8 +221,8 @@ def contrasts(records: list[dict], ratios, threshold: float, seed: int, resample
         logs = []
         for s in sessions:
             per_prompt = []
-            for p in sorted({r["prompt"] for r in records}):
-                t = {a: [r["seconds"] for r in records if r["session"] == s and r["prompt"] == p and r["arm"] == a]
+            for p in sorted({r["key"] for r in records}):
+                t = {a: [r["seconds"] for r in records if r["session"] == s and r["key"] == p and r["arm"] == a]
                      for a in (num, den)}
                 if t[num] and t[den]:
                     per_prompt.append(np.log(np.mean(t[num]) / np.mean(t[den])))
@@ -203,10 +234,15 @@ def contrasts(records: list[dict], ratios, threshold: float, seed: int, resample
     return out
 
 
+COUNTERS = ("proposals", "accepted", "rollbacks", "cycles", "target_callers", "target_micrographs", "verify_calls",
+            "verify_rows", "committed", "length")
+TIMES = ("t_cycle", "t_draft", "t_verify", "t_sample", "t_rollback")
+
+
 def to_dataset(records: list[dict]):
     import xarray as xr
 
-    keys = sorted({(r["session"], r["prompt"], r["arm"], r["request"]) for r in records})
+    keys = sorted({(r["session"], r["key"], r["arm"], r["request"]) for r in records})
     sessions = sorted({k[0] for k in keys})
     prompts_ = sorted({k[1] for k in keys})
     arms = sorted({k[2] for k in keys})
@@ -214,39 +250,83 @@ def to_dataset(records: list[dict]):
     shape = (len(sessions), len(prompts_), len(arms), len(reqs))
     seconds = np.full(shape, np.nan)
     qualified = np.zeros(shape, dtype=np.int8) - 1
-    counters = {c: np.full(shape, -1, dtype=np.int64) for c in
-                ("proposals", "accepted", "rollbacks", "target_callers", "target_micrographs", "length")}
+    counters = {c: np.full(shape, -1, dtype=np.int64) for c in COUNTERS}
+    times = {c: np.full(shape, np.nan) for c in TIMES}
+    sha = {r["key"]: r["prompt_sha256"] for r in records}
     for r in records:
-        i = (sessions.index(r["session"]), prompts_.index(r["prompt"]), arms.index(r["arm"]), reqs.index(r["request"]))
+        i = (sessions.index(r["session"]), prompts_.index(r["key"]), arms.index(r["arm"]), reqs.index(r["request"]))
         seconds[i] = r["seconds"]
         qualified[i] = -1 if r["qualified"] is None else int(r["qualified"])
         for c in counters:
-            counters[c][i] = r[c]
+            counters[c][i] = r.get(c, -1)
+        for c in times:
+            times[c][i] = r.get(c, np.nan)
     dims = ("session", "prompt", "arm", "request")
     return xr.Dataset({"seconds": (dims, seconds), "qualified": (dims, qualified),
-                       **{c: (dims, v) for c, v in counters.items()}},
-                      coords={"session": sessions, "prompt": prompts_, "arm": arms, "request": reqs})
+                       **{c: (dims, v) for c, v in counters.items()}, **{c: (dims, v) for c, v in times.items()}},
+                      coords={"session": sessions, "prompt": prompts_, "arm": arms, "request": reqs,
+                              "prompt_sha256": ("prompt", [sha[p] for p in prompts_])})
+
+
+def drafter_summary(records: list[dict], arm: str) -> dict:
+    """Totals of one drafting arm over its records: committed tokens per target verify call,
+    acceptance, micrographs per committed token, and the shares of the continuation's time."""
+    rs = [r for r in records if r["arm"] == arm]
+    tot = {c: sum(r.get(c, 0) for r in rs) for c in COUNTERS + TIMES}
+    cyc = tot["t_cycle"] or float("nan")
+    parts = {c: tot[c] / cyc for c in TIMES[1:]}
+    parts["python"] = 1.0 - sum(parts.values())
+    return {"arm": arm, "requests": len(rs), "tokens_per_call": tot["committed"] / max(tot["verify_calls"], 1),
+            "acceptance": tot["accepted"] / max(tot["proposals"], 1),
+            "rows_per_call": tot["verify_rows"] / max(tot["verify_calls"], 1),
+            "micrographs_per_token": tot["target_micrographs"] / max(tot["committed"], 1),
+            "ms_per_cycle": 1e3 * tot["t_cycle"] / max(tot["verify_calls"], 1), "shares": parts, **tot}
 
 
 def report_markdown(spec: CampaignSpec, records: list[dict], rows: list[dict]) -> str:
     lines = ["# Speculative campaign\n",
-             f"k={spec.k}, target ubatch {spec.ubatch}, phase mask {spec.mask}, cap {spec.cap}, backend {spec.backend}, "
-             f"draft {spec.draft}, {spec.sessions} sessions x {spec.repeats} requests per block, "
-             f"bootstrap {spec.resamples} resamples, seed {spec.seed}, threshold {spec.threshold}\n",
-             "## Qualification against R\n", "| arm | prompt | qualified | first diff | median s | accepted/proposals |",
-             "|---|---|---|---|---|---|"]
+             f"k={spec.k}{f' (adaptive, k_max {spec.k_max})' if spec.k_max else ''}, "
+             f"target ubatch {spec.spec_config().target_ubatch}, "
+             f"{'fixed-shape verify, ' if spec.fixed_rows else ''}phase mask {spec.mask}, cap {spec.cap}, "
+             f"backend {spec.backend}, draft {spec.draft}, {spec.sessions} sessions x {spec.repeats} requests per "
+             f"block, bootstrap {spec.resamples} resamples, seed {spec.seed}, threshold {spec.threshold}\n",
+             "## Qualification against R\n",
+             "Prompts are identified by id and the first 12 hex digits of their text's sha256.\n",
+             "| arm | prompt | sha256 | qualified | first diff | median s | accepted/proposals | tokens/call |",
+             "|---|---|---|---|---|---|---|---|"]
+    table = spec.prompt_table()
     for a in spec.arms:
-        for p in spec.prompts:
-            rs = [r for r in records if r["arm"] == a and r["prompt"] == p]
+        for _spec_str, key in table:
+            rs = [r for r in records if r["arm"] == a and r["key"] == key]
             if not rs:
                 continue
+            pid, sha = key.rsplit("@", 1)
             q = all(r["qualified"] for r in rs)
             fd = rs[0]["first_diff"]
             acc = f"{sum(r['accepted'] for r in rs)}/{sum(r['proposals'] for r in rs)}"
+            tpc = sum(r.get("committed", 0) for r in rs) / max(sum(r.get("verify_calls", 0) for r in rs), 1)
             med = float(np.median([r["seconds"] for r in rs]))
-            lines.append(f"| {a} | {p} | {'yes' if q else 'NO'} | {'=' if fd is None else fd} | "
-                         f"{med:.3f} | {acc} |")
-    lines += ["", "## Request-time ratios (qualified arms only)\n",
+            lines.append(f"| {a} | {pid} | {sha} | {'yes' if q else 'NO'} | {'=' if fd is None else fd} | "
+                         f"{med:.3f} | {acc} | {tpc:.2f} |")
+    n_q = {a: sum(all(r["qualified"] for r in records if r["arm"] == a and r["key"] == k) for _s, k in table)
+           for a in spec.arms}
+    lines += ["", "Qualified prompts per arm: " + ", ".join(f"{a} {n_q[a]}/{len(table)}" for a in spec.arms), ""]
+    drafting = [a for a in spec.arms if Arm.parse(a).draft]
+    if drafting:
+        lines += ["## Drafting arms: cycles\n",
+                  "Committed tokens per target verify call, acceptance (accepted / proposed), rows per verify "
+                  "call, target micrographs per committed token, and where a cycle's time goes (shares of "
+                  "the continuation's wall time; python = the rest: loop, bookkeeping, counters).\n",
+                  "| arm | tokens/call | acceptance | rows/call | micrographs/token | ms/cycle | draft | verify decode "
+                  "| sampling | rollback | python |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for a in drafting:
+            d = drafter_summary(records, a)
+            sh = d["shares"]
+            lines.append(f"| {a} | {d['tokens_per_call']:.3f} | {d['acceptance']:.3f} | {d['rows_per_call']:.2f} | "
+                         f"{d['micrographs_per_token']:.3f} | {d['ms_per_cycle']:.3f} | {sh['t_draft']:.1%} | "
+                         f"{sh['t_verify']:.1%} | {sh['t_sample']:.1%} | {sh['t_rollback']:.1%} | {sh['python']:.1%} |")
+        lines.append("")
+    lines += ["## Request-time ratios (qualified arms only)\n",
               "| ratio | estimate | 95% interval | > threshold | note |", "|---|---|---|---|---|"]
     for r in rows:
         if r["qualified"]:
@@ -314,7 +394,8 @@ def phase_mask_experiment(model_path, draft, prompts_: list[str], masks=range(16
     table = {}
     for m in masks:
         rs = [r for r in records if r.get("mask") == m]
-        table[int(m)] = {p: all(r["qualified"] for r in rs if r["prompt"] == p) for p in prompts_}
+        table[int(m)] = {p: bool(got) and all(got) for p in prompts_
+                         for got in [[r["qualified"] for r in rs if r["spec"] == p]]}
     passing = {m: all(v.values()) for m, v in table.items()}
     _g, minimal = mask_lattice(passing)
     return {"table": table, "passing": passing, "minimal": minimal, "records": records}

@@ -372,14 +372,20 @@ def model_derive(out: Path = typer.Argument(..., help="output GGUF file"),
 spec_app = typer.Typer(no_args_is_help=True, help="The QB speculative path: arms, qualification, timing.")
 app.add_typer(spec_app, name="spec")
 DraftOpt = typer.Option("self", "--draft", help="'self' (the target), 'derive:N' (its first N layers), a GGUF path, "
-                        "or 'none'")
+                        "'ngram[:NMIN-NMAX]' (model-free prompt lookup, default 2-4), or 'none'")
+KMaxOpt = typer.Option(None, "--k-max", help="adaptive k: grown after full acceptance, shrunk after a rejection, "
+                       "within [1, K_MAX] (default: k fixed)")
+FixedRowsOpt = typer.Option(False, "--fixed-rows/--exact-rows", help="every verify submits k_max+1 rows (unused ones "
+                            "masked and removed): one graph shape, reused")
 
 
 @spec_app.command("run")
 def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEvalOpt,
              prompt_file: Optional[Path] = PromptFileOpt,
              arms: str = typer.Option("R,M0,M_QB,C_QB", help="comma list of R, M0, C0, M_QB, M_PQ, M_GS, C_QB, C_PQ, C_GS"),
-             k: int = typer.Option(3, help="draft proposals per cycle"), ubatch: int = typer.Option(4, help="target ubatch"),
+             k: int = typer.Option(3, help="draft proposals per cycle"),
+             k_max: Optional[int] = KMaxOpt, fixed_rows: bool = FixedRowsOpt,
+             ubatch: int = typer.Option(0, help="target ubatch (0: k_max+1, one micrograph per verify)"),
              mask: int = typer.Option(3, help="phase mask 0..15 (1 target prefill, 2 target continuation, 4 draft "
                                               "prefill, 8 draft continuation)"),
              cap: int = CapOpt, model: Optional[Path] = ModelOpt, draft: str = DraftOpt, backend: str = BackendOpt,
@@ -391,35 +397,42 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
 
     names = [a.strip() for a in arms.split(",") if a.strip()]
     need_draft = any([Arm.parse(a).draft for a in names])  # a list: every name is checked
-    cfg = SpecConfig(k=k, ubatch=ubatch, mask=mask, cap=cap, backend=backend, threads=threads)
+    cfg = SpecConfig(k=k, ubatch=ubatch, mask=mask, cap=cap, backend=backend, threads=threads, k_max=k_max,
+                     fixed_rows=fixed_rows)
     p = _prompt(prompt, humaneval, prompt_file)
     runner = _load_runner(model, resolve_draft(model, draft) if need_draft else None, cfg)
     if "R" not in names:
         names = ["R"] + names
     results = qualify([runner.run(a, p, warmup=True) for a in names])
-    t = Table(title=f"{p.id}: k={k}, ubatch {ubatch}, mask {mask}, cap {cap}, {backend}")
-    for col in ("arm", "qualified", "first diff", "seconds", "accepted/proposals", "target callers", "micrographs"):
+    t = Table(title=f"{p.id} (sha256 {p.sha256[:12]}): k={k}{f'..{k_max}' if k_max else ''}, ubatch "
+                    f"{cfg.target_ubatch}, mask {mask}, cap {cap}, {backend}, draft {draft if need_draft else '-'}")
+    for col in ("arm", "qualified", "first diff", "seconds", "accepted/proposals", "tokens/call", "target callers",
+                "micrographs"):
         t.add_column(col)
     for r in results:
         c = r.counters
         t.add_row(r.arm, "ref" if r.arm == "R" else ("yes" if r.qualified else "NO"),
                   "=" if r.first_diff is None else str(r.first_diff),
                   f"{r.seconds:.3f}" if r.qualified else f"({r.seconds:.3f} not comparable)",
-                  f"{c.accepted}/{c.proposals}", str(c.target_callers), str(c.target_micrographs))
+                  f"{c.accepted}/{c.proposals}", f"{c.committed / max(c.verify_calls, 1):.2f}", str(c.target_callers),
+                  str(c.target_micrographs))
     console.print(t)
     if json_out:
         atomic_write_text(json_out, json.dumps([r.record() for r in results], indent=1))
 
 
 @spec_app.command("campaign")
-def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see studies/spec-ci.toml)"),
-                  out: Path = typer.Option(Path("runs/campaign"), "--out")):
+def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see studies/spec-cpu.toml)"),
+                  out: Path = typer.Option(Path("runs/campaign"), "--out"),
+                  draft: Optional[str] = typer.Option(None, "--draft", help="override the spec's drafter"),
+                  k: Optional[int] = typer.Option(None, "--k", help="override the spec's k"),
+                  k_max: Optional[int] = typer.Option(None, "--k-max", help="override the spec's k_max")):
     """Fresh worker processes, counterbalanced blocks, sessions, bootstrap intervals."""
     from rich.progress import Progress
 
     from .campaign import CampaignSpec, plan, run_campaign
 
-    spec = CampaignSpec.load(spec_path)
+    spec = CampaignSpec.load(spec_path, draft=draft, k=k, k_max=k_max)
     with Progress(console=console, transient=True) as prog:
         task = prog.add_task("requests", total=len(plan(spec, spec.draft)))
         res = run_campaign(spec, out, progress=lambda: prog.advance(task))

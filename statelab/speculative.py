@@ -13,10 +13,16 @@ Phase mask bits: target prefill 1, target continuation 2, draft prefill 4, draft
 continuation 8 (mask 3 = both target phases, the paper's choice).  A scoped guard sets
 the layout from the current role and phase before every decode and restores it after.
 
-The transaction: the draft proposes up to k greedy tokens; the target evaluates the
-pending token and the proposals in one call of k+1 rows; acceptance by greedy match,
-correction or bonus; rejected positions are removed from both caches; the pending
-token is consumed (decoded into KV) exactly once.
+The transaction: a drafter proposes up to k tokens from the committed history; the
+target evaluates the pending token and the proposals in one call of up to k+1 rows (the
+target ubatch and the largest query count QB/PQ admit follow k, so one verify is one
+micrograph); acceptance by greedy match, correction or bonus; rejected positions are
+removed from the target's cache and the drafter's; the pending token is consumed (decoded
+into KV) exactly once.
+
+Drafters: a draft model (`self`, `derive:N`, a GGUF path) with its own context, or the
+model-free n-gram drafter `ngram[:NMIN-NMAX]` (prompt lookup over prompt + output).  k can
+adapt within [1, k_max] from the last cycle's acceptance.
 """
 from __future__ import annotations
 
@@ -77,9 +83,22 @@ class Counters:
     target_micrographs: int = 0
     draft_callers: int = 0
     layout_not_admitted: int = 0
+    verify_calls: int = 0  # continuation calls of the target (cycles; one per token for target-only arms)
+    verify_rows: int = 0  # rows submitted by those calls (padding included)
+    committed: int = 0  # output tokens committed by the continuation (the first comes from the prefill)
+    # seconds of the continuation (t_cycle) and where they went; the rest is Python around them
+    t_cycle: float = 0.0
+    t_draft: float = 0.0
+    t_verify: float = 0.0  # target decode calls of the verify
+    t_sample: float = 0.0  # greedy choices of the verify rows
+    t_rollback: float = 0.0  # cache removal (target and drafter) and the drafter's bookkeeping
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def counts(self) -> dict:
+        """The counts alone (no times): equal for two arms that took the same steps."""
+        return {k: v for k, v in asdict(self).items() if not k.startswith("t_")}
 
 
 class PhaseGuard:
@@ -113,35 +132,204 @@ class PhaseGuard:
             yield want
 
 
+# -- drafters ------------------------------------------------------------------------
+
+class Drafter:
+    """Proposes up to k tokens that would follow the committed history.
+
+    The history is the prompt followed by every committed output token; its last token is
+    the pending one (committed, not yet in the target's KV).  `settle` hears how many of the
+    proposals the target accepted, so a drafter with its own state can roll back."""
+
+    name = "?"
+
+    def start(self, prompt_tokens: np.ndarray) -> None:
+        """A new request: the prompt is about to be prefilled."""
+
+    def propose(self, history: np.ndarray, k: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def settle(self, n_past: int, props: np.ndarray, accepted: int) -> None:
+        """After verification: `accepted` of `props` (proposed at positions n_past + 1..) were kept."""
+
+
+NGRAM_RE = re.compile(r"^ngram(?::(\d+)(?:-(\d+))?)?$")
+NGRAM_DEFAULT = (2, 4)
+
+
+def is_ngram(draft: str | None) -> bool:
+    return isinstance(draft, str) and draft.startswith("ngram")
+
+
+def parse_ngram(draft: str) -> tuple[int, int]:
+    """'ngram' -> the default range; 'ngram:N' -> (N, N); 'ngram:NMIN-NMAX'."""
+    m = NGRAM_RE.match(draft.strip())
+    if not m:
+        raise ConfigError(f"bad n-gram drafter {draft!r}; use ngram, ngram:N or ngram:NMIN-NMAX (e.g. ngram:2-4)")
+    if m.group(1) is None:
+        return NGRAM_DEFAULT
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) is not None else lo
+    if not 1 <= lo <= hi <= 64:
+        raise ConfigError(f"n-gram range {draft!r} must satisfy 1 <= NMIN <= NMAX <= 64")
+    return lo, hi
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: the tokens that followed the most recent earlier occurrence of the last
+    n tokens of the history (prompt + output so far), longest n first (NMAX down to NMIN).
+    No model and no state: a proposal is a few vectorised comparisons over the history."""
+
+    def __init__(self, nmin: int = NGRAM_DEFAULT[0], nmax: int = NGRAM_DEFAULT[1]):
+        if not 1 <= nmin <= nmax:
+            raise ConfigError(f"n-gram range needs 1 <= NMIN <= NMAX, got {nmin}-{nmax}")
+        self.nmin, self.nmax = int(nmin), int(nmax)
+        self.name = f"ngram:{self.nmin}-{self.nmax}"
+
+    def match(self, history: np.ndarray) -> tuple[int, int]:
+        """(n, j): the longest suffix length n in [NMIN, NMAX] that occurred earlier and the end
+        j of its most recent earlier occurrence (j < len - 1); (0, -1) when none did."""
+        h = history
+        last = len(h) - 1
+        if last < 1:
+            return 0, -1
+        ends = np.flatnonzero(h[:last] == h[last])  # ends of earlier occurrences of length 1
+        best = (1, int(ends[-1])) if self.nmin == 1 and len(ends) else (0, -1)
+        for n in range(2, self.nmax + 1):  # grow the match one token to the left
+            ends = ends[ends >= n - 1]
+            ends = ends[h[ends - (n - 1)] == h[last - (n - 1)]]
+            if not len(ends):
+                break
+            if n >= self.nmin:
+                best = (n, int(ends[-1]))
+        return best
+
+    def propose(self, history: np.ndarray, k: int) -> np.ndarray:
+        n, j = self.match(history)
+        if n == 0 or k < 1:
+            return history[:0]
+        return history[j + 1:j + 1 + k]
+
+
+class ModelDrafter(Drafter):
+    """A draft model (the target itself, a derived truncation or another GGUF) with its own
+    context: it consumes the pending token, then its own greedy proposals; rejected positions
+    are removed from its cache."""
+
+    def __init__(self, ctx, tx: "Transaction", name: str = "model"):
+        self.d, self.tx, self.name = ctx, tx, name
+
+    def start(self, prompt_tokens: np.ndarray) -> None:
+        tx = self.tx
+        self.d.clear()
+        with tx.guard.scope(self.d, "draft"):
+            n_batch = self.d.config.n_batch
+            for s in range(0, len(prompt_tokens), n_batch):
+                chunk = prompt_tokens[s:s + n_batch]
+                self.d.decode(chunk, s, logits="none" if s + len(chunk) < len(prompt_tokens) else None)
+                tx.c.draft_callers += 1
+        tx.guard.phase["draft"] = "continuation"
+
+    def propose(self, history: np.ndarray, k: int) -> np.ndarray:
+        tx, pos = self.tx, len(history) - 1
+        props = np.empty(k, dtype=np.int32)
+        tok = int(history[-1])
+        for i in range(k):  # consume pending, then its own proposals
+            with tx.guard.scope(self.d, "draft"):
+                self.d.decode([tok], pos + i)
+                tx.c.draft_callers += 1
+            tok = props[i] = self.d.greedy_row(-1)
+        return props
+
+    def settle(self, n_past: int, props: np.ndarray, accepted: int) -> None:
+        k = len(props)
+        if accepted < k:
+            self.d.seq_rm(0, n_past + accepted + 1, -1)
+        elif k:  # all accepted: the draft has not yet consumed its last proposal
+            with self.tx.guard.scope(self.d, "draft"):
+                self.d.decode(props[-1:], n_past + k, logits="none")
+                self.tx.c.draft_callers += 1
+
+
+class AdaptiveK:
+    """Proposals per cycle: fixed at k, or, with k_max > k, grown by one after a cycle whose
+    proposals were all accepted and shrunk to (accepted + 1) after a rejection, within
+    [1, k_max]."""
+
+    def __init__(self, k: int, k_max: int | None = None):
+        self.k_max = int(k_max or k)
+        if not 1 <= k <= self.k_max:
+            raise ConfigError(f"need 1 <= k <= k_max, got k={k}, k_max={self.k_max}")
+        self.k = int(k)
+        self.adaptive = self.k_max > k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if not self.adaptive or proposed == 0:
+            return
+        if accepted == proposed:
+            if proposed >= self.k:
+                self.k = min(self.k_max, self.k + 1)
+        else:
+            self.k = max(1, min(self.k, accepted + 1))
+
+
 def _micrographs(rows: int, ubatch: int) -> int:
     return -(-rows // ubatch)
 
 
 class Transaction:
-    """One request through an arm: prefill, then continuation (speculative or not)."""
+    """One request through an arm: prefill, then continuation (speculative or not).
 
-    def __init__(self, arm: Arm, target_ctx, draft_ctx=None, k: int = 3, mask: int = 3):
-        if k < 1:
-            raise ConfigError(f"k (draft proposals per cycle) must be >= 1, got {k}")
-        if arm.draft and draft_ctx is None:
-            raise ConfigError(f"arm {arm.name} needs a draft model")
-        self.arm, self.t, self.d, self.k = arm, target_ctx, draft_ctx, int(k)
+    A speculative cycle: the drafter proposes up to k tokens from the committed history; the
+    target verifies pending + proposals in one call (GS: one call per row) with logits for
+    every row; the greedy choices of the rows are one vectorised argmax; the longest agreeing
+    prefix is accepted plus the target's own next token (correction or bonus); rejected
+    positions are removed from the target's cache (and the drafter's).  With fixed_rows the
+    verify always submits k_max + 1 rows (the unused ones repeat the last token and are
+    removed afterwards): under QB every row is computed independently of the others, so the
+    padding changes no committed logit while the graph keeps one shape and is reused."""
+
+    def __init__(self, arm: Arm, target_ctx, draft_ctx=None, k: int = 3, mask: int = 3, drafter: "Drafter | None" = None,
+                 k_max: int | None = None, fixed_rows: bool = False):
+        self.arm, self.t = arm, target_ctx
+        self.kpolicy = AdaptiveK(k, k_max)
+        self.k = self.kpolicy.k
         self.guard = PhaseGuard(arm.layout, mask)
         self.c = Counters()
+        if arm.draft and drafter is None:
+            if draft_ctx is None:
+                raise ConfigError(f"arm {arm.name} needs a draft model or a model-free drafter")
+            drafter = ModelDrafter(draft_ctx, self)
+        self.drafter = drafter
+        self.fixed_rows = bool(fixed_rows) and arm.layout != "GS"
 
     # -- decode helpers --------------------------------------------------
-    def _target(self, tokens, pos0: int) -> list[np.ndarray]:
-        """Decode rows on the target under the guard; returns each row's logits."""
+    def _step(self, tok: int, pos: int) -> int:
+        """Target-only continuation: one row, the native greedy sampler in place."""
+        with self.guard.scope(self.t, "target"):
+            self.t.decode([tok], pos)
+            self.c.target_callers += 1
+            self.c.target_micrographs += 1
+        return self.t.greedy_row(-1)
+
+    def _verify(self, tokens: np.ndarray, pos0: int, need: int) -> np.ndarray:
+        """Decode the verify rows under the guard; the greedy choices of the first `need` rows."""
         rows = len(tokens)
+        self.c.verify_rows += rows
         with self.guard.scope(self.t, "target") as layout:
             if layout == "GS":  # global serialisation: one row per decode call
-                out = []
-                for i, tok in enumerate(tokens):
-                    self.t.decode([tok], pos0 + i, logits="all")
-                    out.append(self.t.logits(0))
-                    self.c.target_callers += 1
-                    self.c.target_micrographs += 1
-                return out
+                choices = np.empty(rows, dtype=np.int64)
+                for i in range(rows):
+                    t0 = time.perf_counter()
+                    self.t.decode(tokens[i:i + 1], pos0 + i, logits="all")
+                    t1 = time.perf_counter()
+                    choices[i] = self.t.argmax_rows(1)[0]
+                    self.c.t_verify += t1 - t0
+                    self.c.t_sample += time.perf_counter() - t1
+                self.c.target_callers += rows
+                self.c.target_micrographs += rows
+                return choices[:need]
+            t0 = time.perf_counter()
             self.t.decode(tokens, pos0, logits="all")
             self.c.target_callers += 1
             self.c.target_micrographs += _micrographs(rows, self.t.config.n_ubatch)
@@ -150,7 +338,11 @@ class Transaction:
 
                 if not layouts.last_admission(self.t).admitted:
                     self.c.layout_not_admitted += 1
-            return [self.t.logits(i) for i in range(rows)]
+        t1 = time.perf_counter()
+        choices = self.t.argmax_rows(need)
+        self.c.t_verify += t1 - t0
+        self.c.t_sample += time.perf_counter() - t1
+        return choices
 
     def _target_prefill(self, tokens) -> np.ndarray:
         with self.guard.scope(self.t, "target") as layout:
@@ -171,21 +363,6 @@ class Transaction:
         self.guard.phase["target"] = "continuation"
         return self.t.logits(-1)
 
-    def _draft_prefill(self, tokens) -> None:
-        with self.guard.scope(self.d, "draft"):
-            n_batch = self.d.config.n_batch
-            for s in range(0, len(tokens), n_batch):
-                chunk = tokens[s:s + n_batch]
-                self.d.decode(chunk, s, logits="none" if s + len(chunk) < len(tokens) else None)
-                self.c.draft_callers += 1
-        self.guard.phase["draft"] = "continuation"
-
-    def _draft_step(self, tok: int, pos: int) -> int:
-        with self.guard.scope(self.d, "draft"):
-            self.d.decode([tok], pos)
-            self.c.draft_callers += 1
-        return self.d.greedy(self.d.logits(-1))
-
     # -- the request --------------------------------------------------------
     def run(self, prompt_tokens: np.ndarray, cap: int) -> Endpoint:
         cap = check_cap(cap)
@@ -194,55 +371,78 @@ class Transaction:
         self.t.clear()
         toks = np.asarray(prompt_tokens, dtype=np.int32)
         n_past = len(toks)
-        if n_past + cap > self.t.n_ctx:
-            raise ConfigError(f"prompt ({n_past}) + cap ({cap}) exceed n_ctx={self.t.n_ctx}")
+        margin = self.kpolicy.k_max + 1 if self.arm.draft else 0
+        if n_past + cap + margin > self.t.n_ctx:
+            raise ConfigError(f"prompt ({n_past}) + cap ({cap}) + verify rows ({margin}) exceed n_ctx={self.t.n_ctx}")
         pending = self.t.greedy(self._target_prefill(toks))
-        if self.arm.draft:
-            self.d.clear()
-            self._draft_prefill(toks)
-        out = [pending]
-
-        def done() -> bool:
-            return model.is_eog(out[-1]) or len(out) >= cap
-
-        while not done():
-            if not self.arm.draft:
-                logits = self._target([pending], n_past)[0]
+        if not self.arm.draft:
+            out = [pending]
+            t0 = time.perf_counter()
+            while not (model.is_eog(out[-1]) or len(out) >= cap):
+                pending = self._step(pending, n_past)
                 n_past += 1
-                pending = self.t.greedy(logits)
                 out.append(pending)
-                continue
-            k = min(self.k, cap - len(out))
-            props, tok = [], pending
-            for i in range(k):  # draft: consume pending, then its own proposals
-                tok = self._draft_step(tok, n_past + i)
-                props.append(tok)
-            self.c.proposals += k
-            rows = self._target([pending] + props, n_past)
-            choices = [self.t.greedy(r) for r in rows]
-            m = 0
-            while m < k and props[m] == choices[m]:
-                m += 1
-            self.c.accepted += m
-            self.c.cycles += 1
-            new = props[:m] + [choices[m]]
-            # the target KV holds pending + props[:m]; drop rejected positions
-            self.t.seq_rm(0, n_past + m + 1, -1)
-            if m < k:
-                self.c.rollbacks += 1
-                self.d.seq_rm(0, n_past + m + 1, -1)
-            else:  # all accepted: the draft has not yet consumed its last proposal
-                with self.guard.scope(self.d, "draft"):
-                    self.d.decode([props[-1]], n_past + k, logits="none")
-                    self.c.draft_callers += 1
-            n_past += m + 1
-            pending = choices[m]
-            for t in new:
-                out.append(t)
-                if model.is_eog(t) or len(out) >= cap:
-                    break
-        eog = model.is_eog(out[-1])
-        return Endpoint(np.asarray(out, dtype=np.int32), eog, "eog" if eog else "cap")
+            self.c.t_cycle += time.perf_counter() - t0
+            self.c.committed += len(out) - 1
+            self.c.verify_calls += len(out) - 1
+            eog = model.is_eog(out[-1])
+            return Endpoint(np.asarray(out, dtype=np.int32), eog, "eog" if eog else "cap")
+        return self._speculate(toks, pending, cap)
+
+    def _speculate(self, toks: np.ndarray, pending: int, cap: int) -> Endpoint:
+        model, c, kp = self.t.model, self.c, self.kpolicy
+        kp.k = self.k  # a new request starts from the initial k
+        self.drafter.start(toks)
+        n0 = len(toks)
+        hist = np.empty(n0 + cap + kp.k_max + 1, dtype=np.int32)  # prompt + committed output
+        hist[:n0] = toks
+        hist[n0] = pending
+        L = n0 + 1  # the history's length; its last token is pending (not in the target's KV)
+        rows_fixed = kp.k_max + 1
+        verify = np.empty(rows_fixed, dtype=np.int32)
+        t_start = time.perf_counter()
+        while True:
+            n_out = L - n0
+            if model.is_eog(int(hist[L - 1])) or n_out >= cap:
+                break
+            n_past = L - 1
+            t0 = time.perf_counter()
+            props = self.drafter.propose(hist[:L], min(kp.k, cap - n_out))
+            p = len(props)
+            t1 = time.perf_counter()
+            c.t_draft += t1 - t0
+            verify[0] = hist[L - 1]
+            verify[1:p + 1] = props
+            rows = p + 1
+            if self.fixed_rows:
+                verify[rows:] = verify[rows - 1]
+                rows = rows_fixed
+            choices = self._verify(verify[:rows], n_past, p + 1)
+            t2 = time.perf_counter()
+            agree = props == choices[:p]
+            m = p if agree.all() else int(np.argmin(agree))
+            c.proposals += p
+            c.accepted += m
+            c.cycles += 1
+            c.verify_calls += 1
+            kp.update(p, m)
+            # the target's KV holds pending + props[:m] (+ rejected and padding rows): drop the rest
+            if rows > m + 1:
+                self.t.seq_rm(0, n_past + m + 1, -1)
+            if m < p:
+                c.rollbacks += 1
+            self.drafter.settle(n_past, props, m)
+            c.t_rollback += time.perf_counter() - t2
+            new = np.append(props[:m], choices[m]).astype(np.int32)
+            eog = np.flatnonzero([model.is_eog(int(t)) for t in new]) if len(new) > 1 else ()
+            keep = min(len(new), cap - n_out, int(eog[0]) + 1 if len(eog) else len(new))
+            hist[L:L + keep] = new[:keep]
+            L += keep
+            c.committed += keep
+        c.t_cycle += time.perf_counter() - t_start
+        out = hist[n0:L].copy()
+        eog = model.is_eog(int(out[-1]))
+        return Endpoint(out, eog, "eog" if eog else "cap")
 
 
 @dataclass
@@ -255,31 +455,57 @@ class ArmResult:
     qualified: bool | None = None
     first_diff: int | None = None
     extra: dict = field(default_factory=dict)
+    prompt_sha256: str = ""
+
+    @property
+    def prompt_key(self) -> tuple[str, str]:
+        """A prompt is its id and the sha256 of its text (two files of one base name differ)."""
+        return self.prompt_id, self.prompt_sha256
 
     def record(self) -> dict:
-        return {"arm": self.arm, "prompt": self.prompt_id, "seconds": self.seconds, "qualified": self.qualified,
+        return {"arm": self.arm, "prompt": self.prompt_id, "prompt_sha256": self.prompt_sha256,
+                "seconds": self.seconds, "qualified": self.qualified,
                 "first_diff": self.first_diff, "length": self.endpoint.length, "eog": self.endpoint.eog,
                 "tokens": [int(t) for t in self.endpoint.tokens], **self.counters.as_dict(), **self.extra}
 
 
 @dataclass
 class SpecConfig:
-    k: int = 3
-    ubatch: int = 4
+    k: int = 3  # proposals per cycle (the initial k when k_max > k)
+    ubatch: int = 0  # target ubatch; 0: follows k (k_max + 1, so one verify is one micrograph)
     mask: int = 3
     cap: int = 128
     n_ctx: int = 1024
     threads: int = 0
     backend: str = "cpu"
-    max_queries: int = 4
+    max_queries: int = 0  # largest query count QB/PQ admit; 0: the target ubatch
+    k_max: int | None = None  # adaptive k within [1, k_max] (None: k fixed)
+    fixed_rows: bool = False  # verify always submits k_max + 1 rows (one graph shape, reused)
 
     def __post_init__(self):
         if self.k < 1:
             raise ConfigError(f"k must be >= 1, got {self.k}")
-        if self.ubatch < 1:
-            raise ConfigError(f"target ubatch must be >= 1, got {self.ubatch}")
+        if self.k_max is not None and self.k_max < self.k:
+            raise ConfigError(f"k_max ({self.k_max}) must be >= k ({self.k})")
+        if self.ubatch < 0:
+            raise ConfigError(f"target ubatch must be >= 1 (or 0: follow k), got {self.ubatch}")
+        if self.max_queries < 0:
+            raise ConfigError(f"max queries must be >= 1 (or 0: the target ubatch), got {self.max_queries}")
         check_mask(self.mask)
         check_cap(self.cap)
+
+    @property
+    def rows(self) -> int:
+        """The most rows one verify submits."""
+        return (self.k_max or self.k) + 1
+
+    @property
+    def target_ubatch(self) -> int:
+        return self.ubatch or self.rows
+
+    @property
+    def queries(self) -> int:
+        return self.max_queries or self.target_ubatch
 
 
 def check_draft_paths(target_path, draft_path) -> None:
@@ -296,11 +522,16 @@ def check_draft(target_model, draft_model) -> None:
 
 
 class Runner:
-    """Owns target and draft models and builds per-arm contexts."""
+    """Owns target and draft models and builds per-arm contexts.
 
-    def __init__(self, target_model, draft_model=None, cfg: SpecConfig | None = None, vocab_checked: bool = False):
+    draft: a model-free drafter spec (`ngram[:NMIN-NMAX]`) or None; a draft model is given
+    as draft_model instead."""
+
+    def __init__(self, target_model, draft_model=None, cfg: SpecConfig | None = None, vocab_checked: bool = False,
+                 draft: str | None = None):
         """vocab_checked: the caller already ran check_draft_paths on these files (before loading)."""
         self.tm, self.dm, self.cfg = target_model, draft_model, cfg or SpecConfig()
+        self.ngram = parse_ngram(draft) if is_ngram(draft) else None
         if draft_model is not None and draft_model is not target_model and not vocab_checked:
             check_draft(target_model, draft_model)
 
@@ -313,27 +544,35 @@ class Runner:
 
             if not layouts.available():
                 raise ConfigError(f"arm {arm.name} needs the attention-layout patch (native/patches/0002)")
-        ub = 1 if arm.reference else c.ubatch
-        tcfg = ContextConfig(backend=c.backend, n_ctx=c.n_ctx, n_batch=max(512, c.k + 1), n_ubatch=ub,
+            if not 1 <= c.queries <= layouts.MAX_QUERIES_LIMIT:
+                raise ConfigError(f"arm {arm.name}: {c.queries} queries per micrograph exceed the layout limit "
+                                  f"{layouts.MAX_QUERIES_LIMIT} (lower k_max or ubatch)")
+        ub = 1 if arm.reference else c.target_ubatch
+        tcfg = ContextConfig(backend=c.backend, n_ctx=c.n_ctx, n_batch=max(512, c.rows), n_ubatch=ub,
                              n_threads=c.threads)
         t = Context(self.tm, tcfg)
         if arm.layout in ("PQ", "QB"):
             from .runtime import layouts
 
-            layouts.set_max_queries(t, c.max_queries)
+            layouts.set_max_queries(t, c.queries)
         d = None
-        if arm.draft:
+        if arm.draft and self.ngram is None:
             if self.dm is None:
-                raise ConfigError(f"arm {arm.name} needs a draft model (--draft)")
+                raise ConfigError(f"arm {arm.name} needs a drafter (--draft)")
             dcfg = ContextConfig(backend=c.backend, n_ctx=c.n_ctx, n_batch=512, n_ubatch=1, n_threads=c.threads)
             d = Context(self.dm, dcfg)
         return t, d
+
+    def transaction(self, arm: Arm, t, d) -> Transaction:
+        c = self.cfg
+        drafter = NgramDrafter(*self.ngram) if arm.draft and self.ngram else None
+        return Transaction(arm, t, d, c.k, c.mask, drafter=drafter, k_max=c.k_max, fixed_rows=c.fixed_rows)
 
     def run(self, arm_name: str, prompt, warmup: bool = False) -> ArmResult:
         arm = Arm.parse(arm_name)
         t, d = self.contexts(arm)
         try:
-            tx = Transaction(arm, t, d, self.cfg.k, self.cfg.mask)
+            tx = self.transaction(arm, t, d)
             toks = self.tm.tokenize(prompt.text)
             if warmup:
                 tx.run(toks, min(8, self.cfg.cap))
@@ -345,16 +584,16 @@ class Runner:
             t.close()
             if d is not None:
                 d.close()
-        return ArmResult(arm.name, prompt.id, ep, dt, tx.c)
+        return ArmResult(arm.name, prompt.id, ep, dt, tx.c, prompt_sha256=prompt.sha256)
 
 
 def qualify(results: list[ArmResult]) -> list[ArmResult]:
     """Mark each arm qualified when its complete endpoint equals R's on the same prompt."""
     from .analysis import first_difference
 
-    refs = {r.prompt_id: r for r in results if r.arm == "R"}
+    refs = {r.prompt_key: r for r in results if r.arm == "R"}
     for r in results:
-        ref = refs.get(r.prompt_id)
+        ref = refs.get(r.prompt_key)
         if ref is None:
             r.qualified = None
             continue

@@ -2,9 +2,10 @@
 import numpy as np
 import pytest
 
-from statelab.campaign import mask_lattice, qualify_records
+from statelab.campaign import CampaignSpec, mask_lattice, prompt_key, qualify_records, report_markdown
 from statelab.errors import ConfigError, IdentityError
-from statelab.speculative import Arm, PhaseGuard, Runner, SpecConfig, qualify
+from statelab.speculative import (AdaptiveK, Arm, NgramDrafter, PhaseGuard, Runner, SpecConfig, parse_ngram,
+                                  qualify)
 
 CAP = 24
 
@@ -32,7 +33,7 @@ def test_mask_lattice_minimal_sets():
 
 @pytest.mark.parametrize("bad, match", [
     (dict(k=0), "k must be >= 1"), (dict(mask=16), "phase mask"), (dict(mask=-1), "phase mask"),
-    (dict(ubatch=0), "ubatch"), (dict(cap=0), "output cap")])
+    (dict(ubatch=-1), "ubatch"), (dict(cap=0), "output cap"), (dict(k=4, k_max=3), "k_max")])
 def test_bad_spec_config(bad, match):
     with pytest.raises(ConfigError, match=match):
         SpecConfig(**bad)
@@ -46,8 +47,9 @@ def test_unknown_arm_and_layout():
 
 
 def test_qualification_records():
-    recs = [dict(arm="R", prompt="p", tokens=[1, 2, 3], eog=True), dict(arm="M0", prompt="p", tokens=[1, 2, 4], eog=True),
-            dict(arm="C_QB", prompt="p", tokens=[1, 2, 3], eog=True)]
+    recs = [dict(arm="R", prompt="p", prompt_sha256="ab" * 32, tokens=[1, 2, 3], eog=True),
+            dict(arm="M0", prompt="p", prompt_sha256="ab" * 32, tokens=[1, 2, 4], eog=True),
+            dict(arm="C_QB", prompt="p", prompt_sha256="ab" * 32, tokens=[1, 2, 3], eog=True)]
     q = {r["arm"]: (r["qualified"], r["first_diff"]) for r in qualify_records(recs)}
     assert q == {"R": (True, None), "M0": (False, 2), "C_QB": (True, None)}
 
@@ -129,7 +131,7 @@ def test_qb_panel_reports_every_arm_against_r(model, he, capsys):
         by = {r.arm: r for r in res}
         for x, y in (("M_QB", "M_PQ"), ("C_QB", "C_PQ")):
             assert by[x].endpoint.same(by[y].endpoint), f"{task}: {x} and {y} differ"
-            assert by[x].counters.as_dict() == by[y].counters.as_dict()
+            assert by[x].counters.counts() == by[y].counters.counts()
         assert by["C_QB"].counters.layout_not_admitted == 0
         rows += [(task, r.arm, r.qualified, r.first_diff) for r in res]
     with capsys.disabled():
@@ -137,3 +139,179 @@ def test_qb_panel_reports_every_arm_against_r(model, he, capsys):
         for row in rows:
             print("  %s %-5s qualified=%s first_diff=%s" % row)
     assert all(q is not None for _, _, q, _ in rows)
+
+
+# -- model-free drafting ----------------------------------------------------------------
+
+def _h(*toks):
+    return np.asarray(toks, dtype=np.int32)
+
+
+def test_ngram_longest_match_first_then_most_recent():
+    d = NgramDrafter(2, 4)
+    # suffix (1 2 3): a length-3 match ends at 8 (followed by 7 8), a length-2 match later would lose
+    h = _h(5, 1, 2, 3, 7, 8, 9, 2, 3, 6, 1, 2, 3)
+    assert d.match(h) == (3, 3)
+    assert d.propose(h, 2).tolist() == [7, 8]
+    # two length-3 occurrences: the most recent one wins
+    h = _h(1, 2, 3, 4, 0, 1, 2, 3, 5, 1, 2, 3)
+    assert d.match(h) == (3, 7) and d.propose(h, 3).tolist() == [5, 1, 2]
+    # the proposal may run into the suffix itself (a repeating pattern) and stops at the history's end
+    h = _h(1, 2, 1, 2)
+    assert d.propose(h, 5).tolist() == [1, 2]
+    # only the last token recurs: no proposal unless NMIN is 1
+    h = _h(4, 7, 9, 4)
+    assert len(d.propose(h, 3)) == 0
+    assert NgramDrafter(1, 3).propose(h, 3).tolist() == [7, 9, 4]
+    # NMAX bounds the match: with n <= 2 the most recent length-2 occurrence is used
+    h = _h(5, 1, 2, 3, 7, 8, 9, 2, 3, 6, 1, 2, 3)
+    assert NgramDrafter(2, 2).propose(h, 1).tolist() == [6]
+    assert len(d.propose(_h(3), 3)) == 0 and len(d.propose(h, 0)) == 0
+
+
+def test_ngram_matches_a_brute_force_search():
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        h = rng.integers(0, 4, size=int(rng.integers(1, 40))).astype(np.int32)
+        lo = int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 4))
+        want = []
+        for n in range(hi, lo - 1, -1):  # longest n first, most recent earlier occurrence
+            if n > len(h) - 1:
+                continue
+            ends = [j for j in range(n - 1, len(h) - 1) if list(h[j - n + 1:j + 1]) == list(h[len(h) - n:])]
+            if ends:
+                want = list(h[ends[-1] + 1:ends[-1] + 1 + 5])
+                break
+        assert NgramDrafter(lo, hi).propose(h, 5).tolist() == want, (h.tolist(), lo, hi)
+
+
+@pytest.mark.parametrize("bad", ["ngram:", "ngram:0", "ngram:4-2", "ngram:a-b", "ngram:2-100", "ngrams"])
+def test_bad_ngram_spec(bad):
+    with pytest.raises(ConfigError, match="n-gram"):
+        parse_ngram(bad)
+
+
+def test_ngram_spec_forms():
+    assert parse_ngram("ngram") == (2, 4) and parse_ngram("ngram:3") == (3, 3) and parse_ngram("ngram:1-6") == (1, 6)
+
+
+def test_adaptive_k_grows_on_full_acceptance_and_shrinks_on_rejection():
+    k = AdaptiveK(3, 6)
+    k.update(3, 3)
+    k.update(4, 4)
+    assert k.k == 5
+    k.update(5, 1)
+    assert k.k == 2
+    k.update(0, 0)  # no proposal: no evidence
+    assert k.k == 2
+    k.update(2, 2)
+    assert k.k == 3
+    k.update(1, 1)  # a short proposal (the drafter had no more) accepted: k stays
+    assert k.k == 3
+    fixed = AdaptiveK(3)
+    fixed.update(3, 0)
+    assert fixed.k == 3 and not fixed.adaptive
+    with pytest.raises(ConfigError):
+        AdaptiveK(4, 2)
+
+
+def test_rows_and_ubatch_follow_k():
+    assert SpecConfig(k=3).target_ubatch == 4 and SpecConfig(k=3, k_max=7).target_ubatch == 8
+    assert SpecConfig(k=3, k_max=7).queries == 8 and SpecConfig(k=3, ubatch=2).queries == 2
+
+
+# -- prompt identity in campaign reports -------------------------------------------------------
+
+def _records(keys_and_tokens):
+    out = []
+    for arm, pid, sha, toks in keys_and_tokens:
+        out.append(dict(arm=arm, prompt=pid, prompt_sha256=sha, tokens=toks, eog=False, seconds=1.0, session=0,
+                        request=0, accepted=0, proposals=0, committed=len(toks) - 1, verify_calls=len(toks) - 1))
+    return out
+
+
+def test_file_prompts_keep_their_rows_and_same_base_names_stay_apart(tmp_path):
+    from statelab import prompts
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    pa, pb = tmp_path / "a" / "p.txt", tmp_path / "b" / "p.txt"
+    pa.write_text("def f():\n    return 1\n")
+    pb.write_text("def g():\n    return 2\n")
+    A, B = prompts.resolve(f"file:{pa}"), prompts.resolve(f"file:{pb}")
+    assert A.id == B.id and prompt_key(A) != prompt_key(B)
+    spec = CampaignSpec(prompts=[f"file:{pa}", f"file:{pb}"], arms=["R", "M_QB"])
+    spec.validate()
+    recs = qualify_records(_records([("R", A.id, A.sha256, [1, 2]), ("R", B.id, B.sha256, [3, 4]),
+                                     ("M_QB", A.id, A.sha256, [1, 2]), ("M_QB", B.id, B.sha256, [3, 5])]))
+    # each M_QB record is judged against the R of its own file, not the other one's
+    assert [r["qualified"] for r in recs if r["arm"] == "M_QB"] == [True, False]
+    md = report_markdown(spec, recs, [])
+    rows = [ln for ln in md.splitlines() if ln.startswith("| M_QB |")]
+    assert len(rows) == 2, md
+    assert A.sha256[:12] in rows[0] and "yes" in rows[0] and B.sha256[:12] in rows[1] and "NO" in rows[1]
+    # the same prompt listed twice is refused
+    with pytest.raises(ConfigError, match="same prompt"):
+        CampaignSpec(prompts=[f"file:{pa}", f"file:{tmp_path}/a/../a/p.txt"], arms=["R"]).validate()
+
+
+def test_campaign_spec_accepts_ngram_and_refuses_a_bad_one(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('prompts = ["HumanEval/3"]\narms = ["R", "C_QB"]\ndraft = "ngram:2-5"\nk = 3\nk_max = 7\n')
+    spec = CampaignSpec.load(p)
+    assert spec.spec_config().target_ubatch == 8
+    assert CampaignSpec.load(p, draft="ngram:3", k_max=None).draft == "ngram:3"
+    with pytest.raises(ConfigError, match="n-gram"):
+        CampaignSpec.load(p, draft="ngram:9-2")
+
+
+@pytest.mark.model
+def test_argmax_rows_equals_the_native_greedy_sampler(model, he):
+    from statelab.runtime import Context, ContextConfig
+
+    ctx = Context(model, ContextConfig(n_ctx=512, n_batch=512, n_ubatch=8))
+    try:
+        toks = model.tokenize(he(3).text)
+        ctx.decode(toks[:24], 0, logits="all")
+        got = ctx.argmax_rows(24)
+        assert got.tolist() == [ctx.greedy_row(i) for i in range(24)]
+    finally:
+        ctx.close()
+
+
+NGRAM_ARMS = ("R", "M_QB", "C_QB", "C_PQ", "C_GS")
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("k, k_max, fixed", [(3, None, False), (2, 7, False), (7, None, True)])
+def test_ngram_arms_reproduce_r(model, he, k, k_max, fixed, capsys):
+    """The model-free drafter on the QB path: every drafting arm reproduces R's complete
+    endpoint; proposals are accepted (several tokens per verify call) and rejected (rollbacks)."""
+    from statelab.runtime import layouts
+
+    if not layouts.available():
+        pytest.skip("attention-layout patch not in this build")
+    cfg = SpecConfig(k=k, k_max=k_max, fixed_rows=fixed, cap=40)
+    runner = Runner(model, None, cfg, draft="ngram:2-4")
+    res = qualify([runner.run(a, he("HumanEval/12")) for a in NGRAM_ARMS])
+    by = {r.arm: r for r in res}
+    for a in NGRAM_ARMS[1:]:
+        assert by[a].qualified, f"{a} differs from R at {by[a].first_diff}"
+    c = by["C_QB"].counters
+    assert c.accepted > 0 and c.rollbacks > 0 and c.committed > c.verify_calls
+    assert c.layout_not_admitted == 0 and c.committed == by["C_QB"].endpoint.length - 1
+    if fixed:
+        assert c.verify_rows == c.verify_calls * (k + 1)
+    with capsys.disabled():
+        print(f"\nngram k={k} k_max={k_max} fixed={fixed}: {c.committed / c.verify_calls:.2f} tokens/call, "
+              f"accepted {c.accepted}/{c.proposals}, rollbacks {c.rollbacks}")
+
+
+@pytest.mark.model
+def test_bad_ngram_draft_is_one_line(cli):
+    from conftest import one_line_error
+
+    one_line_error(cli("spec", "run", "-H", "2", "--arms", "C_QB", "--draft", "ngram:5-2", "--cap", "4"), "n-gram")
+    one_line_error(cli("spec", "run", "-H", "2", "--arms", "C_QB", "--draft", "ngram", "--k", "4", "--k-max", "2",
+                       "--cap", "4"), "k_max")

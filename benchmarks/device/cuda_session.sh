@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What produced docs/backends.md's CUDA section: run from the repo root on a machine with an
 # NVIDIA GPU, after the sdist and the model are in $W (see docs/backends.md).
-#   W=/opt/sl OUT=/tmp/out bash benchmarks/device/cuda_session.sh build|study|spec
+#   W=/opt/sl OUT=/tmp/out bash benchmarks/device/cuda_session.sh build|study|spec|drafter
 set -uo pipefail
 W=${W:-/opt/sl}
 OUT=${OUT:-/tmp/statelab-cuda}
@@ -39,6 +39,13 @@ case "${1:-build}" in
       sl continue "$OUT/cap_cuda_A" --backend cpu --allow-backend --cap 64 --json
     } 2>&1 | tee "$OUT/transplant.txt"
     python3 benchmarks/decode.py --backend cuda --rounds 5 --tokens 128 --no-write 2>&1 | tee "$OUT/decode_cuda.txt"
+    ;;
+  drafter)
+    # the model-free n-gram drafter on the QB path: the full H200 table in one command
+    # (after `build`); writes docs/benchmarks.md's speculative-cuda-ngram section, copied to $OUT
+    python3 benchmarks/speculative.py studies/spec-cuda-ngram.toml --rows --out "$OUT/campaign" 2>&1 \
+      | tee "$OUT/drafter.txt"
+    cp docs/benchmarks.md "$OUT/benchmarks.md"
     ;;
   spec)
     for t in 0 2 4 9; do

@@ -329,6 +329,18 @@ class Context(Closing):
         (llama_sampler_sample): the same choice as greedy(logits(row)) without the copy."""
         return int(llama().llama_sampler_sample(self._greedy, self.ptr, row))
 
+    def argmax_rows(self, n: int) -> np.ndarray:
+        """Greedy choices of the first n output rows of the last decode call, read in place
+        (one vectorised argmax, no copy): the first maximum, as the native greedy sampler picks."""
+        p = llama().llama_get_logits(self.ptr)
+        if not p:
+            raise DecodeError("no logits from the last decode call")
+        lg = np.ctypeslib.as_array(p, shape=(n, self.n_vocab))
+        choice = lg.argmax(axis=1)
+        if not np.isfinite(lg[np.arange(n), choice]).all():
+            raise DecodeError("logits contain NaN values")
+        return choice
+
     # -- memory / state ---------------------------------------------------
     def clear(self) -> None:
         llama().llama_memory_clear(self.mem, True)
