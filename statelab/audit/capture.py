@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from ..formation import REST, Schedule, parse_schedule
 
 VIEW_OPS = {"VIEW", "PERMUTE", "RESHAPE", "TRANSPOSE", "NONE"}
-LAYOUT_NAMES = ("MQ", "PQ", "QB")
+LAYOUT_NAMES = ("MQ", "PQ", "QB", "MQ+W", "PQ+W", "QB+W")
 KV_PAD = 256  # llama.cpp pads the KV cells a graph sees to 256
 
 _LAYER_SUFFIX = re.compile(r"^(?P<base>.*?)-(?P<layer>\d+)(?P<rest>(?: \(\w+\))*)$")
@@ -73,12 +73,13 @@ class Geometry:
 
 def parse_geometry(text: str) -> Geometry:
     """``SCHEDULE[:LAYOUT]``: a schedule as in ``statelab capture`` (A, B, C, R, ub4,
-    16+rest@ub4, ...) and optionally MQ, PQ or QB (default MQ)."""
+    16+rest@ub4, ...) and optionally MQ, PQ or QB (default MQ), each optionally with "+W"
+    (row-by-row weight products, native/patches/0003)."""
     t = str(text).strip()
     sched, _, lay = t.partition(":")
     lay = (lay or "MQ").strip().upper()
     if lay not in LAYOUT_NAMES:
-        raise ConfigError(f"geometry {text!r}: unknown attention layout {lay!r} (use MQ, PQ or QB)")
+        raise ConfigError(f"geometry {text!r}: unknown attention layout {lay!r} (use MQ, PQ or QB, optionally with +W)")
     return Geometry(parse_schedule(sched), lay)
 
 
@@ -153,6 +154,9 @@ def check_layout(layout: str) -> None:
     if layout != "MQ" and not layouts.available():
         raise ConfigError(f"attention layout {layout} needs the layout patch "
                           "(native/patches/0002-attention-layouts.patch), which this build lacks")
+    if layout.endswith(layouts.REPAIR_SUFFIX) and not layouts.weight_repair_available():
+        raise ConfigError(f"layout {layout} needs the weight-product patch "
+                          "(native/patches/0003-row-invariant-weight-products.patch), which this build lacks")
 
 
 def run_graph(model, tokens, geometry: Geometry, base_config=None, *, want=None, want_srcs=None,
