@@ -8,7 +8,7 @@ from statelab.audit.capture import parse_geometry
 from statelab.errors import ConfigError
 from statelab.speculative import Arm, PhaseGuard, Runner, SpecConfig, qualify
 
-from .conftest import one_line_error
+from conftest import one_line_error
 
 CAP = 24
 PROMPTS = ("HumanEval/2", "HumanEval/4")

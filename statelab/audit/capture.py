@@ -29,14 +29,18 @@ KV_PAD = 256  # llama.cpp pads the KV cells a graph sees to 256
 _LAYER_SUFFIX = re.compile(r"^(?P<base>.*?)-(?P<layer>\d+)(?P<rest>(?: \(\w+\))*)$")
 _CACHE = re.compile(r"^cache_(?P<kv>[kv])_l(?P<layer>\d+)(?P<rest>.*)$")
 _UNNAMED = re.compile(r"^node_\d+$")
+_UNNAMED_BASE = re.compile(r"^node_\d+(?= \()")  # a view/permute of an unnamed node: "node_9 (view)"
 OUTPUT_NAMES = {"norm", "result_norm", "result_output", "result_embd", "result_embd_pooled"}
 
 
 def parse_node_name(name: str, op: str) -> tuple[str, int | None]:
-    """(canonical name, layer or None). ``node_123`` (unnamed) becomes ``<OP>``; the layer
-    comes from a ``-<il>`` suffix (before view decorations) or a ``cache_k_l<il>`` prefix."""
+    """(canonical name, layer or None). ``node_123`` (unnamed) becomes ``<OP>``, and the base of a
+    decorated unnamed node (``node_9 (view) (permuted)``) ``<node>``: ggml numbers unnamed nodes by
+    graph position, which differs between layouts; the layer comes from a ``-<il>`` suffix (before
+    view decorations) or a ``cache_k_l<il>`` prefix."""
     if _UNNAMED.match(name):
         return f"<{op}>", None
+    name = _UNNAMED_BASE.sub("<node>", name)
     m = _LAYER_SUFFIX.match(name)
     if m:
         return m.group("base") + m.group("rest"), int(m.group("layer"))
