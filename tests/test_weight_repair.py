@@ -4,7 +4,7 @@ prompts each), the locator, counters, graph reuse and bad input."""
 import numpy as np
 import pytest
 
-from statelab.audit.capture import parse_geometry
+from statelab.audit.capture import parse_geometry, parse_node_name
 from statelab.errors import ConfigError
 from statelab.speculative import Arm, PhaseGuard, Runner, SpecConfig, qualify
 
@@ -52,6 +52,14 @@ def test_family_names_parse():
         layouts.parse_family("QB+X")
     with pytest.raises(ConfigError, match="unknown attention layout"):
         parse_geometry("ub4:GS+W")
+
+
+def test_unnamed_node_names_align_across_layouts():
+    """ggml numbers unnamed nodes by graph position; their decorated names get a stable base."""
+    assert parse_node_name("node_9 (view) (permuted)", "PERMUTE") == ("<node> (view) (permuted)", None)
+    assert parse_node_name("node_57 (view) (permuted)", "PERMUTE") == ("<node> (view) (permuted)", None)
+    assert parse_node_name("node_34", "MUL_MAT") == ("<MUL_MAT>", None)
+    assert parse_node_name("Qcur-3 (view) (permuted)", "PERMUTE") == ("Qcur (view) (permuted)", 3)
 
 
 @pytest.mark.model
