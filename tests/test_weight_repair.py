@@ -167,3 +167,27 @@ def test_bad_input_is_one_line(cli):
     one_line_error(cli("audit", "matmul", "--max-rows", "10"), "max rows")
     one_line_error(cli("locate", "-H", "2", "-a", "ub1", "-b", "ub4:QB+Y", "--max-tokens", "4"),
                    "unknown attention layout")
+
+
+@pytest.mark.model
+def test_rows_above_max_queries_are_left_native_and_reported(model, base_config):
+    """Above the admitted maximum query count the native products are built, counted as
+    rejected, and the admission says why (QB+W is then not admitted)."""
+    _repair_or_skip()
+    from statelab.runtime import Context, layouts
+
+    toks = np.asarray(model.tokenize("def add(a, b):\n    return a + b\n"), dtype=np.int32)
+    with Context(model, base_config.with_(n_ctx=256, n_ubatch=4, n_batch=64, n_threads=1)) as ctx:
+        layouts.set_layout(ctx, "QB+W")
+        layouts.set_max_queries(ctx, 2)
+        assert layouts.get_layout(ctx) == "QB+W"
+        ctx.decode(toks[:4], 0, logits="all")
+        adm, w = layouts.last_admission(ctx), layouts.last_weight_repair(ctx)
+        assert not adm.admitted and adm.requested == "QB+W" and adm.built == "MQ"
+        assert "weights not repaired: n rows = 4 exceeds max queries 2" in adm.reason
+        assert w.requested and w.repaired == 0 and w.rejected >= 7 * model.info.n_layer
+        assert layouts.counters(ctx)["weight_products"] == 0
+        layouts.set_layout(ctx, "MQ")
+        assert layouts.get_layout(ctx) == "MQ"
+        ctx.decode(toks[4:6], 4, logits="all")
+        assert not layouts.last_weight_repair(ctx).requested
