@@ -382,7 +382,8 @@ FixedRowsOpt = typer.Option(False, "--fixed-rows/--exact-rows", help="every veri
 @spec_app.command("run")
 def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEvalOpt,
              prompt_file: Optional[Path] = PromptFileOpt,
-             arms: str = typer.Option("R,M0,M_QB,C_QB", help="comma list of R, M0, C0, M_QB, M_PQ, M_GS, C_QB, C_PQ, C_GS"),
+             arms: str = typer.Option("R,M0,M_QB,C_QB", help="comma list of R, M0, C0, M_QB, M_PQ, M_GS, C_QB, C_PQ, "
+                                      "C_GS, M_QB+W, M_PQ+W, C_QB+W, C_PQ+W (+W: row-by-row weight products)"),
              k: int = typer.Option(3, help="draft proposals per cycle"),
              k_max: Optional[int] = KMaxOpt, fixed_rows: bool = FixedRowsOpt,
              ubatch: int = typer.Option(0, help="target ubatch (0: k_max+1, one micrograph per verify)"),
@@ -597,6 +598,27 @@ def audit_backends(model: Optional[Path] = ModelOpt, backend: str = BackendOpt,
     _audit_write(out, md, ds)
 
 
+@audit_app.command("matmul")
+def audit_matmul(model: Optional[Path] = ModelOpt, backend: str = BackendOpt,
+                 max_q: int = typer.Option(8, "--max-q", help="largest row count q (1..16)"),
+                 max_rows: int = typer.Option(1024, "--max-rows", help="output rows of each weight used"),
+                 threads: int = ThreadsOpt, out: Optional[Path] = AuditOutOpt):
+    """For each weight type of the model, each device and buffer type: is a q-row product bitwise
+    equal to q 1-row products (q = 1..max-q), natively and with the row-by-row repair (+W)."""
+    from .audit.matmul import matmul_markdown, repaired_everywhere, run_matmul_audit
+    from .runtime.ggml_ops import backend_devices
+    from .runtime.native import devices_for_backend
+
+    m, _ = _setup(model, backend, threads)
+    devs = [d for d in backend_devices() if d.type == "CPU"] + devices_for_backend(backend)
+    ds = run_matmul_audit(m.path, devs, max_q=max_q, max_rows=max_rows, threads=threads or None)
+    md = matmul_markdown(ds)
+    console.print(md, markup=False, highlight=False, soft_wrap=True)
+    _audit_write(out, md, ds)
+    if not repaired_everywhere(ds):
+        raise typer.Exit(1)
+
+
 @audit_app.command("e1")
 def audit_e1(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEvalOpt,
              prompt_file: Optional[Path] = PromptFileOpt, model: Optional[Path] = ModelOpt,
@@ -717,7 +739,7 @@ def replay_cmd(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Hum
 def locate_cmd(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEvalOpt,
                prompt_file: Optional[Path] = PromptFileOpt, model: Optional[Path] = ModelOpt,
                a: str = typer.Option("ub1", "--a", "-a", help="first geometry: SCHEDULE[:LAYOUT], e.g. ub1, A, "
-                                     "16+rest, ub4:QB"),
+                                     "16+rest, ub4:QB, ub4:QB+W"),
                b: str = typer.Option("ub4", "--b", "-b", help="second geometry"),
                layers: str = typer.Option("all", "--layers", help="captured layers: all, 0, 0-3, first,last"),
                logits: str = typer.Option("last", "--logits", help="last (prefill) or all (every row an output)"),

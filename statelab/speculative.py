@@ -6,6 +6,9 @@ Arms
   M_x    target only, ubatch U, layout x in {QB, PQ, GS} under the phase mask
   C_x    draft + target, layout x under the phase mask (C0: draft + target, MQ)
 Layouts QB and PQ are attention layouts of the patched library (native/patches/0002);
+QB+W and PQ+W add row-count-invariant weight products (native/patches/0003): in the phases
+the mask selects, every weight product of 1 < n <= max queries rows is computed as n 1-row
+products, so the arm needs no row-invariant weight kernels (K-quant models on CPU);
 GS serialises target rows: each row is its own decode call, so every physical micrograph
 holds one row through the whole model.
 
@@ -36,11 +39,12 @@ import numpy as np
 from .errors import ConfigError, IdentityError
 from .receiver import Endpoint, check_cap
 
-LAYOUT_NAMES = ("MQ", "PQ", "QB", "GS")
+LAYOUT_NAMES = ("MQ", "PQ", "QB", "GS", "PQ+W", "QB+W")
+PATCHED_LAYOUTS = ("PQ", "QB", "PQ+W", "QB+W")  # set on the context by runtime.layouts
 TARGET_PREFILL, TARGET_CONT, DRAFT_PREFILL, DRAFT_CONT = 1, 2, 4, 8
 PHASE_BITS = {("target", "prefill"): TARGET_PREFILL, ("target", "continuation"): TARGET_CONT,
               ("draft", "prefill"): DRAFT_PREFILL, ("draft", "continuation"): DRAFT_CONT}
-ARM_RE = re.compile(r"^(R|M0|C0|[MC]_(QB|PQ|GS))$")
+ARM_RE = re.compile(r"^(R|M0|C0|[MC]_(QB|PQ|GS|QB\+W|PQ\+W))$")
 
 
 def check_mask(mask: int) -> int:
@@ -65,7 +69,8 @@ class Arm:
     @classmethod
     def parse(cls, name: str) -> "Arm":
         if not ARM_RE.match(name):
-            raise ConfigError(f"unknown arm {name!r}; use R, M0, C0, M_QB, M_PQ, M_GS, C_QB, C_PQ, C_GS")
+            raise ConfigError(f"unknown arm {name!r}; use R, M0, C0, M_QB, M_PQ, M_GS, C_QB, C_PQ, C_GS, "
+                              "M_QB+W, M_PQ+W, C_QB+W, C_PQ+W")
         if name == "R":
             return cls("R", "MQ", False, True)
         if name in ("M0", "C0"):
@@ -119,7 +124,7 @@ class PhaseGuard:
     @contextlib.contextmanager
     def scope(self, ctx, role: str):
         want = self.active(role)
-        if want in ("PQ", "QB"):
+        if want in PATCHED_LAYOUTS:
             from .runtime import layouts
 
             prev = layouts.get_layout(ctx)
@@ -333,7 +338,7 @@ class Transaction:
             self.t.decode(tokens, pos0, logits="all")
             self.c.target_callers += 1
             self.c.target_micrographs += _micrographs(rows, self.t.config.n_ubatch)
-            if layout in ("PQ", "QB") and rows > 1:
+            if layout in PATCHED_LAYOUTS and rows > 1:
                 from .runtime import layouts
 
                 if not layouts.last_admission(self.t).admitted:
@@ -539,7 +544,7 @@ class Runner:
         from .runtime import Context, ContextConfig
 
         c = self.cfg
-        if arm.layout in ("PQ", "QB"):
+        if arm.layout in PATCHED_LAYOUTS:
             from .runtime import layouts
 
             if not layouts.available():
@@ -547,11 +552,14 @@ class Runner:
             if not 1 <= c.queries <= layouts.MAX_QUERIES_LIMIT:
                 raise ConfigError(f"arm {arm.name}: {c.queries} queries per micrograph exceed the layout limit "
                                   f"{layouts.MAX_QUERIES_LIMIT} (lower k_max or ubatch)")
+            if layouts.parse_family(arm.layout)[1] and not layouts.weight_repair_available():
+                raise ConfigError(f"arm {arm.name} needs the weight-product patch "
+                                  "(native/patches/0003-row-invariant-weight-products.patch)")
         ub = 1 if arm.reference else c.target_ubatch
         tcfg = ContextConfig(backend=c.backend, n_ctx=c.n_ctx, n_batch=max(512, c.rows), n_ubatch=ub,
                              n_threads=c.threads)
         t = Context(self.tm, tcfg)
-        if arm.layout in ("PQ", "QB"):
+        if arm.layout in PATCHED_LAYOUTS:
             from .runtime import layouts
 
             layouts.set_max_queries(t, c.queries)

@@ -23,20 +23,24 @@ from ..errors import ConfigError
 from ..formation import REST, Schedule, parse_schedule
 
 VIEW_OPS = {"VIEW", "PERMUTE", "RESHAPE", "TRANSPOSE", "NONE"}
-LAYOUT_NAMES = ("MQ", "PQ", "QB")
+LAYOUT_NAMES = ("MQ", "PQ", "QB", "MQ+W", "PQ+W", "QB+W")
 KV_PAD = 256  # llama.cpp pads the KV cells a graph sees to 256
 
 _LAYER_SUFFIX = re.compile(r"^(?P<base>.*?)-(?P<layer>\d+)(?P<rest>(?: \(\w+\))*)$")
 _CACHE = re.compile(r"^cache_(?P<kv>[kv])_l(?P<layer>\d+)(?P<rest>.*)$")
 _UNNAMED = re.compile(r"^node_\d+$")
+_UNNAMED_BASE = re.compile(r"^node_\d+(?= \()")  # a view/permute of an unnamed node: "node_9 (view)"
 OUTPUT_NAMES = {"norm", "result_norm", "result_output", "result_embd", "result_embd_pooled"}
 
 
 def parse_node_name(name: str, op: str) -> tuple[str, int | None]:
-    """(canonical name, layer or None). ``node_123`` (unnamed) becomes ``<OP>``; the layer
-    comes from a ``-<il>`` suffix (before view decorations) or a ``cache_k_l<il>`` prefix."""
+    """(canonical name, layer or None). ``node_123`` (unnamed) becomes ``<OP>``, and the base of a
+    decorated unnamed node (``node_9 (view) (permuted)``) ``<node>``: ggml numbers unnamed nodes by
+    graph position, which differs between layouts; the layer comes from a ``-<il>`` suffix (before
+    view decorations) or a ``cache_k_l<il>`` prefix."""
     if _UNNAMED.match(name):
         return f"<{op}>", None
+    name = _UNNAMED_BASE.sub("<node>", name)
     m = _LAYER_SUFFIX.match(name)
     if m:
         return m.group("base") + m.group("rest"), int(m.group("layer"))
@@ -73,12 +77,13 @@ class Geometry:
 
 def parse_geometry(text: str) -> Geometry:
     """``SCHEDULE[:LAYOUT]``: a schedule as in ``statelab capture`` (A, B, C, R, ub4,
-    16+rest@ub4, ...) and optionally MQ, PQ or QB (default MQ)."""
+    16+rest@ub4, ...) and optionally MQ, PQ or QB (default MQ), each optionally with "+W"
+    (row-by-row weight products, native/patches/0003)."""
     t = str(text).strip()
     sched, _, lay = t.partition(":")
     lay = (lay or "MQ").strip().upper()
     if lay not in LAYOUT_NAMES:
-        raise ConfigError(f"geometry {text!r}: unknown attention layout {lay!r} (use MQ, PQ or QB)")
+        raise ConfigError(f"geometry {text!r}: unknown attention layout {lay!r} (use MQ, PQ or QB, optionally with +W)")
     return Geometry(parse_schedule(sched), lay)
 
 
@@ -153,6 +158,9 @@ def check_layout(layout: str) -> None:
     if layout != "MQ" and not layouts.available():
         raise ConfigError(f"attention layout {layout} needs the layout patch "
                           "(native/patches/0002-attention-layouts.patch), which this build lacks")
+    if layout.endswith(layouts.REPAIR_SUFFIX) and not layouts.weight_repair_available():
+        raise ConfigError(f"layout {layout} needs the weight-product patch "
+                          "(native/patches/0003-row-invariant-weight-products.patch), which this build lacks")
 
 
 def run_graph(model, tokens, geometry: Geometry, base_config=None, *, want=None, want_srcs=None,

@@ -34,7 +34,7 @@ from .capture import (OUTPUT_NAMES, Geometry, GraphRun, check_layer, is_kv_cache
                       parse_geometry, parse_layers, parse_node_name, run_graph)
 
 _KV_AXIS = re.compile(r"^kq(_soft_max)?(_pq\d+)?$")
-_HEAD_MAJOR = re.compile(r"^(kq(_soft_max)?(_pq\d+)?|kqv(_pq\d+)?|Qcur \(view\) \(permuted\))$")
+_HEAD_MAJOR = re.compile(r"^(kq(_soft_max)?(_pq\d+)?|kqv(_pq\d+)?|(Qcur|<node>) \(view\) \(permuted\))$")
 INPUT_LAYER = -1
 
 

@@ -86,6 +86,14 @@ def ggml():
         "ggml_type_size": ([i32], sz),
         "ggml_blck_size": ([i32], i64),
         "ggml_row_size": ([i32, i64], sz),
+        "ggml_backend_dev_buffer_type": ([vp], vp),
+        "ggml_backend_dev_backend_reg": ([vp], vp),
+        "ggml_backend_reg_get_proc_address": ([vp, ctypes.c_char_p], vp),
+        "ggml_backend_buft_name": ([vp], ctypes.c_char_p),
+        "ggml_backend_buft_get_alloc_size": ([vp, vp], sz),
+        "ggml_backend_buft_alloc_buffer": ([vp, sz], vp),
+        "ggml_backend_buffer_get_base": ([vp], vp),
+        "ggml_backend_tensor_alloc": ([vp, vp, vp], i32),
     }
     for name, (args, res) in sigs.items():
         fn = getattr(g, name)
@@ -299,6 +307,7 @@ class OpGraph(Closing):
         if not self.ctx:
             raise GgmlError("ggml_init failed")
         self._tensors: dict[int, Tensor] = {}
+        self._placed: list = []  # buffers of tensors placed in a chosen buffer type
         self._buffer = None
         self._backend = None
         self._n = 0
@@ -403,6 +412,20 @@ class OpGraph(Closing):
     def cont(self, a: Tensor, name: str | None = None) -> Tensor:
         return self._wrap(ggml().ggml_cont(self.ctx, a.ptr), name)
 
+    def place(self, t: Tensor, buft) -> None:
+        """Allocate tensor `t` in buffer type `buft` (a handle from :func:`weight_buffer_types`), as a
+        model loader places a weight (e.g. CPU_REPACK on CPU); its data is set by :meth:`compute`.
+        Place it after building the ops that use it and before asking :meth:`supports`: an extra
+        buffer type answers supports_op from where the weight lives."""
+        g = ggml()
+        size = g.ggml_backend_buft_get_alloc_size(buft, t.ptr)
+        buf = g.ggml_backend_buft_alloc_buffer(buft, size)
+        if not buf:
+            raise GgmlError(f"could not allocate {size} bytes of {g.ggml_backend_buft_name(buft).decode()}")
+        self._placed.append(buf)
+        if g.ggml_backend_tensor_alloc(buf, t.ptr, g.ggml_backend_buffer_get_base(buf)) != 0:
+            raise GgmlError(f"could not place {t.name} in {g.ggml_backend_buft_name(buft).decode()}")
+
     # -- asking and computing ----------------------------------------------
     @staticmethod
     def supports(device_handle: int, t: Tensor) -> bool:
@@ -458,6 +481,9 @@ class OpGraph(Closing):
 
     def close(self):
         g = ggml()
+        for buf in self._placed:
+            g.ggml_backend_buffer_free(buf)
+        self._placed = []
         if self._buffer:
             g.ggml_backend_buffer_free(self._buffer)
             self._buffer = None
@@ -508,9 +534,29 @@ def backend_devices(kinds=("CPU", "GPU", "IGPU", "ACCEL")) -> list:
     return sorted(devs, key=lambda d: (d.type != "CPU", d.index))
 
 
+def weight_buffer_types(device) -> list[tuple[str, int]]:
+    """(name, handle) of the buffer types a weight can live in on `device`: its default buffer type,
+    then the extra ones its backend offers (CPU: CPU_REPACK and others, which a model loader tries first)."""
+    g = ggml()
+    out = []
+    default = g.ggml_backend_dev_buffer_type(device.handle)
+    if default:
+        out.append((g.ggml_backend_buft_name(default).decode(), default))
+    reg = g.ggml_backend_dev_backend_reg(device.handle)
+    fp = g.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts") if reg else None
+    if fp:
+        extra = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(fp)(device.handle)
+        i = 0
+        while extra and extra[i]:
+            out.append((g.ggml_backend_buft_name(extra[i]).decode(), extra[i]))
+            i += 1
+    return out
+
+
 def numpy_dtype(type_name: str):
     return {"f32": np.float32, "f16": np.float16, "i32": np.int32}.get(type_name)
 
 
 __all__ = ["CapturedNode", "GgmlError", "GraphCapture", "OpGraph", "SourceInfo", "Tensor", "backend_devices",
-           "contiguous_nb", "ggml", "numpy_dtype", "type_code", "GGML_TYPE_F16", "GGML_TYPE_F32"]
+           "contiguous_nb", "ggml", "numpy_dtype", "type_code", "weight_buffer_types", "GGML_TYPE_F16",
+           "GGML_TYPE_F32"]

@@ -10,6 +10,14 @@ integral GQA ratio, 1 < q <= max queries) and otherwise builds MQ and records wh
 q == 1 every layout is the same native graph ("trivial" admission). The requested layout
 and max queries take part in llama.cpp's graph-reuse check.
 
+Layout families with "+W" (MQ+W, PQ+W, QB+W) add the row-count-invariant weight products of
+native/patches/0003-row-invariant-weight-products.patch: every weight product whose input has
+1 < n <= max queries rows is built as n native 1-row products (a view of each input row, the
+product, concatenation in row order), so each row is computed by exactly the kernel and
+summation order of a 1-row product, for every weight type and backend. The repair flag takes
+part in the graph-reuse check, like the attention layout. `weight_repair_available()` tells
+whether the loaded library carries that patch; a "+W" family raises LayoutError without it.
+
 The C functions are bound on first use, so this module imports on an unpatched build;
 `available()` then returns False and every other call raises LayoutError.
 
@@ -26,6 +34,10 @@ from ..errors import StatelabError
 ABI_VERSION = 1
 LAYOUTS = {"MQ": 0, "PQ": 1, "QB": 2}
 NAMES = {v: k for k, v in LAYOUTS.items()}
+WEIGHT_REPAIR_VERSION = 1  # LLAMA_STATELAB_WEIGHT_REPAIR_VERSION
+REPAIR_SUFFIX = "+W"
+# every layout family: attention layout, weight products row by row
+FAMILIES = {**{k: (k, False) for k in LAYOUTS}, **{k + REPAIR_SUFFIX: (k, True) for k in LAYOUTS}}
 MAX_QUERIES_LIMIT = 16  # LLAMA_STATELAB_MAX_QUERIES_LIMIT
 
 _vp, _i32, _u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint64
@@ -39,7 +51,14 @@ _SIGNATURES = {
     "llama_statelab_last_requested": ([_vp], _i32),
     "llama_statelab_get_counters": ([_vp, ctypes.POINTER(_u64), ctypes.POINTER(_u64), ctypes.POINTER(_u64)], None),
     "llama_statelab_reset_counters": ([_vp], None),
+    "llama_statelab_weight_repair_version": ([], _i32),
+    "llama_statelab_set_weight_repair": ([_vp, _i32], _i32),
+    "llama_statelab_get_weight_repair": ([_vp], _i32),
+    "llama_statelab_last_weight_repair": ([_vp, ctypes.POINTER(_i32), ctypes.POINTER(_i32), ctypes.c_char_p,
+                                           ctypes.c_size_t], _i32),
+    "llama_statelab_get_weight_counters": ([_vp, ctypes.POINTER(_u64), ctypes.POINTER(_u64)], None),
 }
+_PATCH_OF = {name: "0003-row-invariant-weight-products.patch" for name in _SIGNATURES if "weight" in name}
 _fns: dict[str, object] = {}
 
 
@@ -54,8 +73,11 @@ class Admission:
     requested/built: "MQ", "PQ", "QB"; "none" before any graph with attention was computed;
     built "mixed" if attention layers were built with different layouts. built "MQ" means the
     native path (flash attention when the context enables it; the reason then says so).
+    With the weight repair requested both carry "+W" (built only when no weight product was
+    left native).
     admitted: the requested layout was built, or q == 1 (trivial: all layouts are the native graph).
-    reason: "admitted", "trivial: ...", "not admitted: <first failed guard> (<k> of <n> attention layers)".
+    reason: "admitted", "trivial: ...", "not admitted: <first failed guard> (<k> of <n> attention layers)";
+    a weight product left native adds "; weights not repaired: <first reason> (<k> products)".
     """
     requested: str
     built: str
@@ -78,8 +100,9 @@ def _fn(name: str):
         try:
             fn = getattr(_lib(), name)
         except AttributeError:
+            patch = _PATCH_OF.get(name, "0002-attention-layouts.patch")
             raise LayoutError(f"the loaded libllama has no {name}: it was built without "
-                              "native/patches/0002-attention-layouts.patch; rebuild with native/build.py") from None
+                              f"native/patches/{patch}; rebuild with native/build.py") from None
         fn.argtypes, fn.restype = _SIGNATURES[name]
         _fns[name] = fn
     return fn
@@ -117,19 +140,63 @@ def _name(code: int) -> str:
     return NAMES.get(code, {-1: "none", -2: "mixed"}.get(code, f"?{code}"))
 
 
-def set_layout(ctx, name: str) -> None:
-    """Request an attention layout for the following graphs of ctx."""
+def weight_repair_available() -> bool:
+    """True when the loaded libllama carries the row-invariant weight-product patch (0003)."""
+    if not available():
+        return False
+    try:
+        return int(_fn("llama_statelab_weight_repair_version")()) == WEIGHT_REPAIR_VERSION
+    except StatelabError:
+        return False
+
+
+def parse_family(name: str) -> tuple[str, bool]:
+    """("QB", True) for "QB+W": the attention layout and whether weight products are repaired."""
     key = str(name).strip().upper()
-    if key not in LAYOUTS:
-        raise LayoutError(f"unknown attention layout {name!r}; valid layouts: {', '.join(LAYOUTS)}")
+    if key not in FAMILIES:
+        raise LayoutError(f"unknown layout {name!r}; valid layouts: {', '.join(FAMILIES)}")
+    return FAMILIES[key]
+
+
+def set_layout(ctx, name: str) -> None:
+    """Request a layout family (attention layout, optionally "+W" weight repair) for the following graphs of ctx."""
+    attn, repair = parse_family(name)
     _require()
-    if _fn("llama_statelab_set_attn_layout")(_ptr(ctx), LAYOUTS[key]) != 0:
-        raise LayoutError(f"llama.cpp rejected attention layout {key}")
+    have_repair = weight_repair_available()
+    if repair and not have_repair:
+        raise LayoutError(f"layout {name} needs native/patches/0003-row-invariant-weight-products.patch, "
+                          "which the loaded libllama lacks; rebuild with native/build.py")
+    if _fn("llama_statelab_set_attn_layout")(_ptr(ctx), LAYOUTS[attn]) != 0:
+        raise LayoutError(f"llama.cpp rejected attention layout {attn}")
+    if have_repair and _fn("llama_statelab_set_weight_repair")(_ptr(ctx), int(repair)) != 0:
+        raise LayoutError(f"llama.cpp rejected weight repair {int(repair)}")
 
 
 def get_layout(ctx) -> str:
     _require()
-    return _name(_fn("llama_statelab_get_attn_layout")(_ptr(ctx)))
+    attn = _name(_fn("llama_statelab_get_attn_layout")(_ptr(ctx)))
+    if weight_repair_available() and _fn("llama_statelab_get_weight_repair")(_ptr(ctx)) == 1:
+        return attn + REPAIR_SUFFIX
+    return attn
+
+
+@dataclass(frozen=True)
+class WeightRepair:
+    """Weight products of the graph computed last: requested, repaired (row by row), rejected (left native)."""
+    requested: bool
+    repaired: int
+    rejected: int
+    reason: str
+
+
+def last_weight_repair(ctx) -> WeightRepair:
+    _require()
+    if not weight_repair_available():
+        return WeightRepair(False, 0, 0, "")
+    rep, rej = _i32(0), _i32(0)
+    buf = ctypes.create_string_buffer(256)
+    code = _fn("llama_statelab_last_weight_repair")(_ptr(ctx), ctypes.byref(rep), ctypes.byref(rej), buf, len(buf))
+    return WeightRepair(code == 1, int(rep.value), int(rej.value), buf.value.decode(errors="replace"))
 
 
 def set_max_queries(ctx, n: int) -> None:
@@ -155,15 +222,31 @@ def last_admission(ctx) -> Admission:
     requested = _fn("llama_statelab_last_requested")(p)
     reason = buf.value.decode(errors="replace")
     admitted = built >= 0 and (built == requested or reason.startswith("trivial"))
-    return Admission(_name(requested), _name(built), admitted, reason)
+    req, got = _name(requested), _name(built)
+    w = last_weight_repair(ctx)
+    if w.requested:
+        req += REPAIR_SUFFIX
+        if w.rejected:
+            admitted = False
+            reason += f"; weights not repaired: {w.reason} ({w.rejected} products)"
+        else:
+            got += REPAIR_SUFFIX
+    return Admission(req, got, admitted, reason)
 
 
 def counters(ctx) -> dict[str, int]:
-    """graph_builds / graph_reuses in llama_decode's graph-reuse path; ubatches = micrographs computed."""
+    """graph_builds / graph_reuses in llama_decode's graph-reuse path; ubatches = micrographs computed;
+    with the weight-repair patch also weight_products (computed row by row) and weight_row_products
+    (the 1-row products they consisted of)."""
     _require()
     b, r, u = _u64(0), _u64(0), _u64(0)
     _fn("llama_statelab_get_counters")(_ptr(ctx), ctypes.byref(b), ctypes.byref(r), ctypes.byref(u))
-    return {"graph_builds": int(b.value), "graph_reuses": int(r.value), "ubatches": int(u.value)}
+    out = {"graph_builds": int(b.value), "graph_reuses": int(r.value), "ubatches": int(u.value)}
+    if weight_repair_available():
+        wp, wr = _u64(0), _u64(0)
+        _fn("llama_statelab_get_weight_counters")(_ptr(ctx), ctypes.byref(wp), ctypes.byref(wr))
+        out.update(weight_products=int(wp.value), weight_row_products=int(wr.value))
+    return out
 
 
 def reset_counters(ctx) -> None:
