@@ -392,6 +392,7 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
              cap: int = CapOpt, model: Optional[Path] = ModelOpt, draft: str = DraftOpt, backend: str = BackendOpt,
              threads: int = ThreadsOpt, json_out: Optional[Path] = typer.Option(None, "--json")):
     """Run arms on one prompt in this process; qualify each against R; time qualified arms."""
+    from .audit.admission import device_refusal
     from .campaign import _load_runner, resolve_draft
     from .paths import atomic_write_text
     from .speculative import Arm, SpecConfig, qualify
@@ -404,6 +405,11 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
     runner = _load_runner(model, resolve_draft(model, draft) if need_draft else None, cfg)
     if "R" not in names:
         names = ["R"] + names
+    for a in list(names):
+        why = device_refusal(runner.tm, Arm.parse(a).layout, cfg.queries)
+        if why:
+            err.print(f"{a}: {why}; not run")
+            names.remove(a)
     results = qualify([runner.run(a, p, warmup=True) for a in names])
     t = Table(title=f"{p.id} (sha256 {p.sha256[:12]}): k={k}{f'..{k_max}' if k_max else ''}, ubatch "
                     f"{cfg.target_ubatch}, mask {mask}, cap {cap}, {backend}, draft {draft if need_draft else '-'}")

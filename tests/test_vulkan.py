@@ -64,3 +64,31 @@ def test_vulkan_generates_and_partition_changes_the_state(vulkan_device):
     assert res["device"] != "CPU"
     # ARCHITECTURE.md / paper 6.1: internal partition (C, ubatch 128) forms another state
     assert not res["kv_identical"], "A and C formed identical states on Vulkan"
+
+
+REFUSAL = """
+import json
+from statelab.audit.admission import device_refusal
+from statelab.runtime import Model, prepare_backend
+prepare_backend("vulkan")
+m = Model(None, backend="vulkan")
+print(json.dumps({q: {lo: device_refusal(m, lo, q) for lo in ("QB", "QB+W", "PQ", "GS")} for q in (1, 4)}))
+"""
+
+
+def test_qb_is_reported_not_admitted_on_vulkan(vulkan_device, cli):
+    """ggml-vulkan rejects QB's two products (src0 ne3 1, src1 ne3 q); the scheduler would silently run
+    them on the CPU, so speculative arms report QB as not admitted, with the shapes, instead of running."""
+    r = _run(REFUSAL, 300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["1"] == {"QB": None, "QB+W": None, "PQ": None, "GS": None}  # one query: the native graph
+    for lo in ("QB", "QB+W"):
+        why = res["4"][lo]
+        assert why.startswith("not admitted on Vulkan:") and "qk MUL_MAT (64,256,3,1) x (64,1,9,4)" in why, why
+        assert "av MUL_MAT (256,64,3,1) x (256,1,9,4)" in why, why
+    assert res["4"]["PQ"] is None and res["4"]["GS"] is None
+    s = cli("spec", "run", "-p", "def add(a, b):", "--cap", "1", "--arms", "R,M_QB", "--backend", "vulkan", timeout=900)
+    assert s.returncode == 0, s.stderr[-2000:]
+    assert "M_QB: not admitted on Vulkan" in " ".join(s.stderr.split())
+    assert "M_QB" not in s.stdout

@@ -196,6 +196,27 @@ def run_admission(shape: AttnShape | None = None, qs=(1, 2, 3, 4), layouts=LAYOU
     return ds
 
 
+def device_refusal(model, layout: str, q: int) -> str | None:
+    """Why the model's own device would not run `layout`'s attention products for q queries, or None.
+
+    A product the device's ``supports_op`` rejects is not an error in llama.cpp: the graph scheduler
+    quietly runs it on the CPU backend, so an arm would "qualify" without its layout ever running on
+    the device. Callers report such an arm as not admitted instead of running it."""
+    from ..runtime.native import devices_for_backend
+
+    base = layout.split("+")[0]
+    if model.backend == "cpu" or base not in LAYOUTS or q < 2:
+        return None
+    devs = devices_for_backend(model.backend)[:1]
+    ds = run_admission(AttnShape.of_model(model), qs=[q], layouts=[base], devices=devs)
+    bad = [f"{op} {ds.rejected_shapes.values[0, 0, 0, i]}" for i, op in enumerate(OPS)
+           if ds.supported.values[0, 0, 0, i] == 0]
+    if not bad:
+        return None
+    return (f"not admitted on {ds.device.values[0]}: its supports_op rejects {'; '.join(bad)} "
+            f"(the scheduler would run them on the CPU)")
+
+
 def admission_markdown(ds) -> str:
     a = ds.attrs
     lines = ["# Backend admission", "",
