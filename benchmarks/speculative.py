@@ -2,7 +2,7 @@
 verify call by its number of rows.
 
     .venv/bin/python benchmarks/speculative.py [SPEC] [--draft D] [--k K] [--k-max K] [--sessions N]
-                                               [--rows] [--no-write] [--out DIR]
+                                               [--rows] [--no-write] [--out DIR] [--budget S]
 
 SPEC defaults to studies/spec-cpu.toml; studies/spec-cpu-ngram.toml and
 studies/spec-cuda-ngram.toml (the H200 table, one command) use the model-free n-gram
@@ -102,7 +102,10 @@ def main():
     ap.add_argument("--sessions", type=int)
     ap.add_argument("--rows", action="store_true", help="add the verify-cost sweep by rows")
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--out", help="keep the campaign's files here (default: a temporary folder)")
+    ap.add_argument("--out", help="keep the campaign's files here (default: a temporary folder); the same --out "
+                                  "resumes an unfinished campaign")
+    ap.add_argument("--budget", type=float, help="start no new block after this many seconds; exit 3 if "
+                                                "unfinished (run again with the same --out to continue)")
     a = ap.parse_args()
     spec_path = Path(a.spec)
     spec = CampaignSpec.load(spec_path, draft=a.draft, k=a.k, k_max=a.k_max, sessions=a.sessions)
@@ -110,7 +113,10 @@ def main():
                                                               ("sessions", a.sessions)) if v is not None)
     opts += " --rows" if a.rows else ""
     with tempfile.TemporaryDirectory() as tmp:
-        res = run_campaign(spec, Path(a.out or tmp))
+        res = run_campaign(spec, Path(a.out or tmp), budget_s=a.budget)
+    if not res["complete"]:
+        print(f"incomplete: {res['blocks_done']} of {res['blocks']} blocks in {a.out}; run the same command again")
+        raise SystemExit(3)
     ngram = is_ngram(spec.draft)
     body = f"Command: `.venv/bin/python benchmarks/speculative.py {spec_path}{opts}`  \n{machine()}.\n\n"
     goal = next((r for r in res["contrasts"] if r["ratio"] == f"{GOAL[0]}/{GOAL[1]}"), None)

@@ -156,12 +156,19 @@ def _worker(job: dict) -> list[dict]:
     return out
 
 
-def run_requests(jobs: list[dict], progress=None) -> list[dict]:
-    """Run jobs sequentially, each in a fresh spawned process (timings never overlap)."""
+def run_requests(jobs: list[dict], progress=None, on_block=None, stop=None) -> list[dict]:
+    """Run jobs sequentially, each in a fresh spawned process (timings never overlap).
+    on_block(job, records) hears each finished block; stop() -> True ends the run early (after
+    the first block: every run makes progress)."""
     out = []
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn"), max_tasks_per_child=1) as ex:
-        for job in jobs:
-            out += ex.submit(_worker, job).result()
+        for i, job in enumerate(jobs):
+            if i and stop is not None and stop():
+                break
+            recs = ex.submit(_worker, job).result()
+            out += recs
+            if on_block:
+                on_block(job, recs)
             if progress:
                 progress()
     return out
@@ -337,12 +344,42 @@ def report_markdown(spec: CampaignSpec, records: list[dict], rows: list[dict]) -
     return "\n".join(lines) + "\n"
 
 
-def run_campaign(spec: CampaignSpec, out: Path, progress=None) -> dict:
+def campaign_hash(spec: CampaignSpec, draft: str | None) -> str:
+    """Identity of a campaign's plan: its spec and the resolved drafter."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps([asdict(spec), draft], sort_keys=True).encode()).hexdigest()
+
+
+def run_campaign(spec: CampaignSpec, out: Path, progress=None, budget_s: float | None = None) -> dict:
+    """Run (or resume) a campaign in `out`: every finished block is appended to
+    out/blocks.jsonl (flushed, fsynced) and skipped when the same campaign is run again in
+    the same folder; with budget_s, no new block starts after that many seconds and the
+    result says `complete: False` (run again to continue).  Reports are written once every
+    block has run."""
+    import time
+
+    from .study.store import CellLog, first_ok
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     draft = resolve_draft(spec.model, spec.draft) if any(Arm.parse(a).draft for a in spec.arms) else None
     jobs = plan(spec, draft)
-    records = qualify_records(run_requests(jobs, progress))
+    h = campaign_hash(spec, draft)
+    log = CellLog(out / "blocks.jsonl")
+    old = log.records()
+    if any(r.get("spec_hash") != h for r in old):
+        raise ConfigError(f"{out} holds blocks of another campaign (spec or drafter changed); name a new --out")
+    done = first_ok(old, h)
+    todo = [j for j in jobs if f"block-{j['block']}" not in done]
+    t0 = time.monotonic()
+    run_requests(todo, progress, stop=(lambda: time.monotonic() - t0 > budget_s) if budget_s else None,
+                 on_block=lambda job, recs: log.append({"key": f"block-{job['block']}", "status": "ok",
+                                                        "spec_hash": h, "records": recs}))
+    done = first_ok(log.records(), h)
+    if len(done) < len(jobs):
+        return {"complete": False, "blocks_done": len(done), "blocks": len(jobs)}
+    records = qualify_records([r for j in jobs for r in done[f"block-{j['block']}"]["records"]])
     rows = contrasts(records, spec.ratios, spec.threshold, spec.seed, spec.resamples)
     ds = to_dataset(records)
     with atomic_path(out / "results.nc", umask_mode=True) as tmp:
@@ -351,7 +388,7 @@ def run_campaign(spec: CampaignSpec, out: Path, progress=None) -> dict:
     atomic_write_text(out / "contrasts.json", json.dumps(rows, indent=1))
     md = report_markdown(spec, records, rows)
     atomic_write_text(out / "report.md", md)
-    return {"records": records, "contrasts": rows, "report": md}
+    return {"complete": True, "records": records, "contrasts": rows, "report": md}
 
 
 # -- phase-mask experiment -----------------------------------------------------------

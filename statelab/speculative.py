@@ -322,6 +322,7 @@ class Transaction:
                 for i in range(rows):
                     t0 = time.perf_counter()
                     self.t.decode(tokens[i:i + 1], pos0 + i, logits="all")
+                    self.t.synchronize()
                     t1 = time.perf_counter()
                     choices[i] = self.t.argmax_rows(1)[0]
                     self.c.t_verify += t1 - t0
@@ -331,6 +332,7 @@ class Transaction:
                 return choices[:need]
             t0 = time.perf_counter()
             self.t.decode(tokens, pos0, logits="all")
+            self.t.synchronize()  # the device's work counts as verify decode, not as sampling
             self.c.target_callers += 1
             self.c.target_micrographs += _micrographs(rows, self.t.config.n_ubatch)
             if layout in ("PQ", "QB") and rows > 1:

@@ -315,3 +315,22 @@ def test_bad_ngram_draft_is_one_line(cli):
     one_line_error(cli("spec", "run", "-H", "2", "--arms", "C_QB", "--draft", "ngram:5-2", "--cap", "4"), "n-gram")
     one_line_error(cli("spec", "run", "-H", "2", "--arms", "C_QB", "--draft", "ngram", "--k", "4", "--k-max", "2",
                        "--cap", "4"), "k_max")
+
+
+@pytest.mark.model
+def test_campaign_resumes_from_its_block_log(tmp_path):
+    """A campaign cut short by its budget keeps its finished blocks and continues where it
+    stopped; a changed spec is refused in the same folder."""
+    from statelab.campaign import run_campaign
+
+    spec = CampaignSpec(prompts=["HumanEval/3"], arms=["R", "C_QB"], sessions=2, repeats=1, cap=6, threads=1,
+                        draft="ngram", resamples=100, ratios=[["R", "C_QB"]])
+    spec.validate()
+    first = run_campaign(spec, tmp_path, budget_s=1e-9)  # one block, then the budget is spent
+    assert first == {"complete": False, "blocks_done": 1, "blocks": 4}
+    res = run_campaign(spec, tmp_path)
+    assert res["complete"] and len(res["records"]) == 4 and all(r["qualified"] for r in res["records"])
+    assert len((tmp_path / "blocks.jsonl").read_text().splitlines()) == 4
+    spec.cap = 7
+    with pytest.raises(ConfigError, match="another campaign"):
+        run_campaign(spec, tmp_path)
