@@ -242,7 +242,7 @@ def contrasts(records: list[dict], ratios, threshold: float, seed: int, resample
 
 
 COUNTERS = ("proposals", "accepted", "rollbacks", "cycles", "target_callers", "target_micrographs", "verify_calls",
-            "verify_rows", "committed", "length")
+            "verify_rows", "committed", "graph_builds", "graph_reuses", "length")
 TIMES = ("t_cycle", "t_draft", "t_verify", "t_sample", "t_rollback")
 
 
@@ -287,6 +287,8 @@ def drafter_summary(records: list[dict], arm: str) -> dict:
             "acceptance": tot["accepted"] / max(tot["proposals"], 1),
             "rows_per_call": tot["verify_rows"] / max(tot["verify_calls"], 1),
             "micrographs_per_token": tot["target_micrographs"] / max(tot["committed"], 1),
+            "graph_reuse": (tot["graph_reuses"] / max(tot["graph_builds"] + tot["graph_reuses"], 1)
+                            if all(r.get("graph_builds", -1) >= 0 for r in rs) else float("nan")),
             "ms_per_cycle": 1e3 * tot["t_cycle"] / max(tot["verify_calls"], 1), "shares": parts, **tot}
 
 
@@ -322,15 +324,18 @@ def report_markdown(spec: CampaignSpec, records: list[dict], rows: list[dict]) -
     if drafting:
         lines += ["## Drafting arms: cycles\n",
                   "Committed tokens per target verify call, acceptance (accepted / proposed), rows per verify "
-                  "call, target micrographs per committed token, and where a cycle's time goes (shares of "
-                  "the continuation's wall time; python = the rest: loop, bookkeeping, counters).\n",
-                  "| arm | tokens/call | acceptance | rows/call | micrographs/token | ms/cycle | draft | verify decode "
-                  "| sampling | rollback | python |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "call, target micrographs per committed token (prefill included), the share of the "
+                  "continuation's target graphs that llama.cpp reused instead of building, and where a cycle's "
+                  "time goes (shares of the continuation's wall time; python = the rest: loop, bookkeeping, "
+                  "counters).\n",
+                  "| arm | tokens/call | acceptance | rows/call | micrographs/token | graphs reused | ms/cycle | draft "
+                  "| verify decode | sampling | rollback | python |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for a in drafting:
             d = drafter_summary(records, a)
             sh = d["shares"]
             lines.append(f"| {a} | {d['tokens_per_call']:.3f} | {d['acceptance']:.3f} | {d['rows_per_call']:.2f} | "
-                         f"{d['micrographs_per_token']:.3f} | {d['ms_per_cycle']:.3f} | {sh['t_draft']:.1%} | "
+                         f"{d['micrographs_per_token']:.3f} | {d['graph_reuse']:.1%} | {d['ms_per_cycle']:.3f} | "
+                         f"{sh['t_draft']:.1%} | "
                          f"{sh['t_verify']:.1%} | {sh['t_sample']:.1%} | {sh['t_rollback']:.1%} | {sh['python']:.1%} |")
         lines.append("")
     lines += ["## Request-time ratios (qualified arms only)\n",

@@ -86,6 +86,8 @@ class Counters:
     verify_calls: int = 0  # continuation calls of the target (cycles; one per token for target-only arms)
     verify_rows: int = 0  # rows submitted by those calls (padding included)
     committed: int = 0  # output tokens committed by the continuation (the first comes from the prefill)
+    graph_builds: int = 0  # target graphs built / reused by llama.cpp during the continuation
+    graph_reuses: int = 0  # (-1 when the layout patch, which counts them, is absent)
     # seconds of the continuation (t_cycle) and where they went; the rest is Python around them
     t_cycle: float = 0.0
     t_draft: float = 0.0
@@ -273,6 +275,20 @@ class AdaptiveK:
             self.k = max(1, min(self.k, accepted + 1))
 
 
+def _graph_counter(ctx):
+    """Start counting the graph builds and reuses of ctx; the returned function reads them."""
+    from .runtime import layouts
+
+    if not layouts.available():
+        return lambda: (-1, -1)
+    layouts.reset_counters(ctx)
+
+    def read() -> tuple[int, int]:
+        n = layouts.counters(ctx)
+        return n["graph_builds"], n["graph_reuses"]
+    return read
+
+
 def _micrographs(rows: int, ubatch: int) -> int:
     return -(-rows // ubatch)
 
@@ -402,6 +418,7 @@ class Transaction:
         L = n0 + 1  # the history's length; its last token is pending (not in the target's KV)
         rows_fixed = kp.k_max + 1
         verify = np.empty(rows_fixed, dtype=np.int32)
+        graphs = _graph_counter(self.t)
         t_start = time.perf_counter()
         while True:
             n_out = L - n0
@@ -442,6 +459,7 @@ class Transaction:
             L += keep
             c.committed += keep
         c.t_cycle += time.perf_counter() - t_start
+        c.graph_builds, c.graph_reuses = graphs()
         out = hist[n0:L].copy()
         eog = model.is_eog(int(out[-1]))
         return Endpoint(out, eog, "eog" if eog else "cap")
