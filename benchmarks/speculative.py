@@ -1,8 +1,8 @@
 """Speculative request-time ratios on this machine, qualified arms only, and the cost of a
 verify call by its number of rows.
 
-    .venv/bin/python benchmarks/speculative.py [SPEC] [--draft D] [--k K] [--k-max K] [--sessions N]
-                                               [--rows] [--no-write] [--out DIR]
+    .venv/bin/python benchmarks/speculative.py [SPEC] [--draft D] [--k K] [--k-max K] [--sessions N] [--ubatch U]
+                                               [--rows] [--no-write] [--out DIR] [--budget S]
 
 SPEC defaults to studies/spec-cpu.toml; studies/spec-cpu-ngram.toml and
 studies/spec-cuda-ngram.toml (the H200 table, one command) use the model-free n-gram
@@ -100,17 +100,24 @@ def main():
     ap.add_argument("--k", type=int)
     ap.add_argument("--k-max", type=int)
     ap.add_argument("--sessions", type=int)
+    ap.add_argument("--ubatch", type=int, help="target ubatch (default: the spec's; 0 follows k)")
     ap.add_argument("--rows", action="store_true", help="add the verify-cost sweep by rows")
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--out", help="keep the campaign's files here (default: a temporary folder)")
+    ap.add_argument("--out", help="keep the campaign's files here (default: a temporary folder); the same --out "
+                                  "resumes an unfinished campaign")
+    ap.add_argument("--budget", type=float, help="start no new block after this many seconds; exit 3 if "
+                                                "unfinished (run again with the same --out to continue)")
     a = ap.parse_args()
     spec_path = Path(a.spec)
-    spec = CampaignSpec.load(spec_path, draft=a.draft, k=a.k, k_max=a.k_max, sessions=a.sessions)
-    opts = "".join(f" --{n.replace('_', '-')} {v}" for n, v in (("draft", a.draft), ("k", a.k), ("k_max", a.k_max),
-                                                              ("sessions", a.sessions)) if v is not None)
+    over = {"draft": a.draft, "k": a.k, "k_max": a.k_max, "sessions": a.sessions, "ubatch": a.ubatch}
+    spec = CampaignSpec.load(spec_path, **over)
+    opts = "".join(f" --{n.replace('_', '-')} {v}" for n, v in over.items() if v is not None)
     opts += " --rows" if a.rows else ""
     with tempfile.TemporaryDirectory() as tmp:
-        res = run_campaign(spec, Path(a.out or tmp))
+        res = run_campaign(spec, Path(a.out or tmp), budget_s=a.budget)
+    if not res["complete"]:
+        print(f"incomplete: {res['blocks_done']} of {res['blocks']} blocks in {a.out}; run the same command again")
+        raise SystemExit(3)
     ngram = is_ngram(spec.draft)
     body = f"Command: `.venv/bin/python benchmarks/speculative.py {spec_path}{opts}`  \n{machine()}.\n\n"
     goal = next((r for r in res["contrasts"] if r["ratio"] == f"{GOAL[0]}/{GOAL[1]}"), None)

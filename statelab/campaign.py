@@ -156,12 +156,19 @@ def _worker(job: dict) -> list[dict]:
     return out
 
 
-def run_requests(jobs: list[dict], progress=None) -> list[dict]:
-    """Run jobs sequentially, each in a fresh spawned process (timings never overlap)."""
+def run_requests(jobs: list[dict], progress=None, on_block=None, stop=None) -> list[dict]:
+    """Run jobs sequentially, each in a fresh spawned process (timings never overlap).
+    on_block(job, records) hears each finished block; stop() -> True ends the run early (after
+    the first block: every run makes progress)."""
     out = []
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn"), max_tasks_per_child=1) as ex:
-        for job in jobs:
-            out += ex.submit(_worker, job).result()
+        for i, job in enumerate(jobs):
+            if i and stop is not None and stop():
+                break
+            recs = ex.submit(_worker, job).result()
+            out += recs
+            if on_block:
+                on_block(job, recs)
             if progress:
                 progress()
     return out
@@ -235,7 +242,7 @@ def contrasts(records: list[dict], ratios, threshold: float, seed: int, resample
 
 
 COUNTERS = ("proposals", "accepted", "rollbacks", "cycles", "target_callers", "target_micrographs", "verify_calls",
-            "verify_rows", "committed", "length")
+            "verify_rows", "committed", "graph_builds", "graph_reuses", "length")
 TIMES = ("t_cycle", "t_draft", "t_verify", "t_sample", "t_rollback")
 
 
@@ -280,6 +287,8 @@ def drafter_summary(records: list[dict], arm: str) -> dict:
             "acceptance": tot["accepted"] / max(tot["proposals"], 1),
             "rows_per_call": tot["verify_rows"] / max(tot["verify_calls"], 1),
             "micrographs_per_token": tot["target_micrographs"] / max(tot["committed"], 1),
+            "graph_reuse": (tot["graph_reuses"] / max(tot["graph_builds"] + tot["graph_reuses"], 1)
+                            if all(r.get("graph_builds", -1) >= 0 for r in rs) else float("nan")),
             "ms_per_cycle": 1e3 * tot["t_cycle"] / max(tot["verify_calls"], 1), "shares": parts, **tot}
 
 
@@ -315,15 +324,18 @@ def report_markdown(spec: CampaignSpec, records: list[dict], rows: list[dict]) -
     if drafting:
         lines += ["## Drafting arms: cycles\n",
                   "Committed tokens per target verify call, acceptance (accepted / proposed), rows per verify "
-                  "call, target micrographs per committed token, and where a cycle's time goes (shares of "
-                  "the continuation's wall time; python = the rest: loop, bookkeeping, counters).\n",
-                  "| arm | tokens/call | acceptance | rows/call | micrographs/token | ms/cycle | draft | verify decode "
-                  "| sampling | rollback | python |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "call, target micrographs per committed token (prefill included), the share of the "
+                  "continuation's target graphs that llama.cpp reused instead of building, and where a cycle's "
+                  "time goes (shares of the continuation's wall time; python = the rest: loop, bookkeeping, "
+                  "counters).\n",
+                  "| arm | tokens/call | acceptance | rows/call | micrographs/token | graphs reused | ms/cycle | draft "
+                  "| verify decode | sampling | rollback | python |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for a in drafting:
             d = drafter_summary(records, a)
             sh = d["shares"]
             lines.append(f"| {a} | {d['tokens_per_call']:.3f} | {d['acceptance']:.3f} | {d['rows_per_call']:.2f} | "
-                         f"{d['micrographs_per_token']:.3f} | {d['ms_per_cycle']:.3f} | {sh['t_draft']:.1%} | "
+                         f"{d['micrographs_per_token']:.3f} | {d['graph_reuse']:.1%} | {d['ms_per_cycle']:.3f} | "
+                         f"{sh['t_draft']:.1%} | "
                          f"{sh['t_verify']:.1%} | {sh['t_sample']:.1%} | {sh['t_rollback']:.1%} | {sh['python']:.1%} |")
         lines.append("")
     lines += ["## Request-time ratios (qualified arms only)\n",
@@ -337,12 +349,42 @@ def report_markdown(spec: CampaignSpec, records: list[dict], rows: list[dict]) -
     return "\n".join(lines) + "\n"
 
 
-def run_campaign(spec: CampaignSpec, out: Path, progress=None) -> dict:
+def campaign_hash(spec: CampaignSpec, draft: str | None) -> str:
+    """Identity of a campaign's plan: its spec and the resolved drafter."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps([asdict(spec), draft], sort_keys=True).encode()).hexdigest()
+
+
+def run_campaign(spec: CampaignSpec, out: Path, progress=None, budget_s: float | None = None) -> dict:
+    """Run (or resume) a campaign in `out`: every finished block is appended to
+    out/blocks.jsonl (flushed, fsynced) and skipped when the same campaign is run again in
+    the same folder; with budget_s, no new block starts after that many seconds and the
+    result says `complete: False` (run again to continue).  Reports are written once every
+    block has run."""
+    import time
+
+    from .study.store import CellLog, first_ok
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     draft = resolve_draft(spec.model, spec.draft) if any(Arm.parse(a).draft for a in spec.arms) else None
     jobs = plan(spec, draft)
-    records = qualify_records(run_requests(jobs, progress))
+    h = campaign_hash(spec, draft)
+    log = CellLog(out / "blocks.jsonl")
+    old = log.records()
+    if any(r.get("spec_hash") != h for r in old):
+        raise ConfigError(f"{out} holds blocks of another campaign (spec or drafter changed); name a new --out")
+    done = first_ok(old, h)
+    todo = [j for j in jobs if f"block-{j['block']}" not in done]
+    t0 = time.monotonic()
+    run_requests(todo, progress, stop=(lambda: time.monotonic() - t0 > budget_s) if budget_s else None,
+                 on_block=lambda job, recs: log.append({"key": f"block-{job['block']}", "status": "ok",
+                                                        "spec_hash": h, "records": recs}))
+    done = first_ok(log.records(), h)
+    if len(done) < len(jobs):
+        return {"complete": False, "blocks_done": len(done), "blocks": len(jobs)}
+    records = qualify_records([r for j in jobs for r in done[f"block-{j['block']}"]["records"]])
     rows = contrasts(records, spec.ratios, spec.threshold, spec.seed, spec.resamples)
     ds = to_dataset(records)
     with atomic_path(out / "results.nc", umask_mode=True) as tmp:
@@ -351,7 +393,7 @@ def run_campaign(spec: CampaignSpec, out: Path, progress=None) -> dict:
     atomic_write_text(out / "contrasts.json", json.dumps(rows, indent=1))
     md = report_markdown(spec, records, rows)
     atomic_write_text(out / "report.md", md)
-    return {"records": records, "contrasts": rows, "report": md}
+    return {"complete": True, "records": records, "contrasts": rows, "report": md}
 
 
 # -- phase-mask experiment -----------------------------------------------------------

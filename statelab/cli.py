@@ -433,16 +433,22 @@ def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see
                   out: Path = typer.Option(Path("runs/campaign"), "--out"),
                   draft: Optional[str] = typer.Option(None, "--draft", help="override the spec's drafter"),
                   k: Optional[int] = typer.Option(None, "--k", help="override the spec's k"),
-                  k_max: Optional[int] = typer.Option(None, "--k-max", help="override the spec's k_max")):
-    """Fresh worker processes, counterbalanced blocks, sessions, bootstrap intervals."""
+                  k_max: Optional[int] = typer.Option(None, "--k-max", help="override the spec's k_max"),
+                  budget: Optional[float] = typer.Option(None, "--budget", help="start no new block after this "
+                                                         "many seconds (run again with the same --out to resume)")):
+    """Fresh worker processes, counterbalanced blocks, sessions, bootstrap intervals; resumable."""
     from rich.progress import Progress
 
     from .campaign import CampaignSpec, plan, run_campaign
 
     spec = CampaignSpec.load(spec_path, draft=draft, k=k, k_max=k_max)
     with Progress(console=console, transient=True) as prog:
-        task = prog.add_task("requests", total=len(plan(spec, spec.draft)))
-        res = run_campaign(spec, out, progress=lambda: prog.advance(task))
+        task = prog.add_task("blocks", total=len(plan(spec, spec.draft)))
+        res = run_campaign(spec, out, progress=lambda: prog.advance(task), budget_s=budget)
+    if not res["complete"]:
+        console.print(f"incomplete: {res['blocks_done']} of {res['blocks']} blocks in {out}; run the same command "
+                      "again to continue")
+        raise typer.Exit(3)
     console.print(res["report"], markup=False, highlight=False)
     console.print(f"results: {out}/results.nc, {out}/report.md")
 

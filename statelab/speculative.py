@@ -91,6 +91,8 @@ class Counters:
     verify_calls: int = 0  # continuation calls of the target (cycles; one per token for target-only arms)
     verify_rows: int = 0  # rows submitted by those calls (padding included)
     committed: int = 0  # output tokens committed by the continuation (the first comes from the prefill)
+    graph_builds: int = 0  # target graphs built / reused by llama.cpp during the continuation
+    graph_reuses: int = 0  # (-1 when the layout patch, which counts them, is absent)
     # seconds of the continuation (t_cycle) and where they went; the rest is Python around them
     t_cycle: float = 0.0
     t_draft: float = 0.0
@@ -278,6 +280,20 @@ class AdaptiveK:
             self.k = max(1, min(self.k, accepted + 1))
 
 
+def _graph_counter(ctx):
+    """Start counting the graph builds and reuses of ctx; the returned function reads them."""
+    from .runtime import layouts
+
+    if not layouts.available():
+        return lambda: (-1, -1)
+    layouts.reset_counters(ctx)
+
+    def read() -> tuple[int, int]:
+        n = layouts.counters(ctx)
+        return n["graph_builds"], n["graph_reuses"]
+    return read
+
+
 def _micrographs(rows: int, ubatch: int) -> int:
     return -(-rows // ubatch)
 
@@ -327,6 +343,7 @@ class Transaction:
                 for i in range(rows):
                     t0 = time.perf_counter()
                     self.t.decode(tokens[i:i + 1], pos0 + i, logits="all")
+                    self.t.synchronize()
                     t1 = time.perf_counter()
                     choices[i] = self.t.argmax_rows(1)[0]
                     self.c.t_verify += t1 - t0
@@ -336,6 +353,7 @@ class Transaction:
                 return choices[:need]
             t0 = time.perf_counter()
             self.t.decode(tokens, pos0, logits="all")
+            self.t.synchronize()  # the device's work counts as verify decode, not as sampling
             self.c.target_callers += 1
             self.c.target_micrographs += _micrographs(rows, self.t.config.n_ubatch)
             if layout in PATCHED_LAYOUTS and rows > 1:
@@ -405,6 +423,7 @@ class Transaction:
         L = n0 + 1  # the history's length; its last token is pending (not in the target's KV)
         rows_fixed = kp.k_max + 1
         verify = np.empty(rows_fixed, dtype=np.int32)
+        graphs = _graph_counter(self.t)
         t_start = time.perf_counter()
         while True:
             n_out = L - n0
@@ -445,6 +464,7 @@ class Transaction:
             L += keep
             c.committed += keep
         c.t_cycle += time.perf_counter() - t_start
+        c.graph_builds, c.graph_reuses = graphs()
         out = hist[n0:L].copy()
         eog = model.is_eog(int(out[-1]))
         return Endpoint(out, eog, "eog" if eog else "cap")

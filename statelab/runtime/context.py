@@ -329,6 +329,10 @@ class Context(Closing):
         (llama_sampler_sample): the same choice as greedy(logits(row)) without the copy."""
         return int(llama().llama_sampler_sample(self._greedy, self.ptr, row))
 
+    def synchronize(self) -> None:
+        """Wait until the device has finished the last decode call (a no-op cost on CPU)."""
+        llama().llama_synchronize(self.ptr)
+
     def argmax_rows(self, n: int) -> np.ndarray:
         """Greedy choices of the first n output rows of the last decode call, read in place
         (one vectorised argmax, no copy): the first maximum, as the native greedy sampler picks."""
