@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The H200 session for the n-gram drafter campaign (issue 13) and the CUDA side of the
+# row-invariant weight products (issue 12), with one CUDA build of the whole patch series.
+# Run from the repo root on the device machine; what travels is listed in common.sh, plus
+#   .dev/g0 .. .dev/g4 and .dev/gemma.sha256: Gemma 3 270M Q4_K_M (253 MB) in five parts.
+# Steps (each one device call, made back to back; the machine is given back after 30 s idle):
+#   setup              unpack, start the CUDA build in the background
+#   keep NAME          keep one part (.dev/m1, .dev/g0 .. g3) on the machine
+#   model              join the SmolLM2 parts (m2 travels now)
+#   gemma              join the Gemma parts (g4 travels now)
+#   wait               wait for the build, doctor
+#   drafter [SPEC]     benchmarks/speculative.py on SPEC (default studies/spec-cuda-ngram.toml) with the
+#                      verify-cost sweep; results in $OUT/drafter.tgz
+#   weights            audit matmul (both models), qualification of the +W arms on Gemma 3 and SmolLM2,
+#                      the locator on Gemma 3; results in $OUT/weights.tgz
+set -uo pipefail
+. "$(dirname "$0")/common.sh"
+case "${1:-}" in
+  setup) dev_setup --backend cuda ;;
+  keep) dev_keep "$2" ;;
+  model) dev_default_model ;;
+  gemma) dev_join $W/gemma.gguf "$(cat .dev/gemma.sha256)" g0 g1 g2 g3 g4 && rm -f $W/g? ;;
+  wait) dev_wait && sl doctor --backend cuda | tail -25 ;;
+  drafter)
+    R=$OUT/drafter; mkdir -p "$R"
+    python3 benchmarks/speculative.py "${2:-studies/spec-cuda-ngram.toml}" --rows --no-write --out "$R/campaign" \
+      2>&1 | tee "$R/speculative.txt" | tail -60
+    tar -czf "$OUT/drafter.tgz" -C "$OUT" drafter
+    ;;
+  weights)
+    R=$OUT/weights; mkdir -p "$R"
+    SMOL=$W/model.gguf GEMMA=$W/gemma.gguf OUT=$R bash benchmarks/device/cuda_weights.sh "${2:-audit}" 2>&1 | tail -40
+    tar -czf "$OUT/weights_${2:-audit}.tgz" -C "$OUT" weights
+    ;;
+  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|drafter [SPEC]|weights [audit|qualify|locate]" >&2; exit 2 ;;
+esac
