@@ -289,11 +289,15 @@ def test_trailing_bytes_are_refused():
         KVState.parse(build_blob(0, 1) + b"\1")
 
 
-def test_second_memory_part_is_refused():
-    # an iSWA cache writes two KV parts back to back
+def test_second_memory_part_is_an_iswa_cache_and_a_third_is_refused():
+    # an iSWA cache writes two KV parts back to back: full cache, then sliding-window cache
     blob = build_blob(3, 1, 4)
+    two = blob + blob[8:]
+    st = KVState.parse(two)
+    assert [p.kind for p in st.parts] == ["full", "swa"] and st.n_layer == 2
+    assert st.to_bytes() == two
     with pytest.raises(KVFormatError, match="trailing bytes"):
-        KVState.parse(blob + blob[8:])
+        KVState.parse(two + blob[8:])
 
 
 def test_wrong_magic_is_refused():
@@ -310,7 +314,7 @@ def test_stream_count_other_than_one_is_refused(n_stream):
         KVState.parse(blob)
 
 
-@pytest.mark.parametrize("t,name", [(8, "Q8_0"), (2, "Q4_0"), (30, "BF16"), (99, "unknown")])
+@pytest.mark.parametrize("t,name", [(2, "Q4_0"), (12, "Q4_K"), (99, "unknown")])
 def test_unsupported_types_are_refused(t, name):
     s = make_state(2, 2, 4)
     blob = bytearray(s.to_bytes())
