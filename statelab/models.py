@@ -244,3 +244,60 @@ def _memory_kind(arch: str, n_layer: int, get) -> tuple[str, int, list, bool]:
     else:
         swa = [i for i in range(n_layer) if period == 0 or i % period < period - 1]
     return "iswa", n_swa, swa, True
+
+
+def capabilities(info: ModelInfo) -> list[tuple[str, str, str]]:
+    """What the laboratory can do with a model, from its metadata: (capability, status, detail)
+    rows with status ``supported`` or ``refused`` (docs/models.md lists which were checked on
+    a real model)."""
+    rows = []
+    kind = info.memory_kind
+    if kind in ("recurrent", "hybrid"):
+        what = "r/s states" if kind == "recurrent" else "attention KV + recurrent r/s states"
+        rows.append(("codec parts", "refused", f"{kind} memory ({what}): capture, crosses and selectors refuse it "
+                                               "with one line"))
+    elif kind == "iswa":
+        full = info.n_layer - len(info.swa_layers)
+        detail = (f"2 KV caches: full ({full} layers) + sliding window ({len(info.swa_layers)} layers, window "
+                  f"{info.n_swa})" if info.layer_kinds_known else
+                  f"2 KV caches (window {info.n_swa}); the {info.architecture} layer pattern is unknown to statelab")
+        rows.append(("codec parts", "supported", detail))
+    else:
+        rows.append(("codec parts", "supported", "1 KV cache"))
+    if kind in ("kv", "iswa"):
+        rows.append(("KV types", "supported", "f32, f16, bf16 (K and V); q8_0 K, q8_0 V with --flash-attn "
+                                              "(quantised rows addressed whole)"))
+        if kind == "iswa" and info.layer_kinds_known:
+            swa = info.swa_layers
+            rows.append(("layer kinds", "supported", f"swa layers {swa}; full layers "
+                                                     f"{[i for i in range(info.n_layer) if i not in set(swa)]}; "
+                                                     f"window terms inside/outside {info.n_swa} positions"))
+        elif kind == "iswa":
+            rows.append(("layer kinds", "refused", "selectors need the layer map of both caches"))
+        else:
+            rows.append(("layer kinds", "supported", f"all {info.n_layer} layers full; no window (every position "
+                                                     "inside)"))
+        rows.append(("cell extension records", "refused", "M-RoPE / PLE cells (x, y, tok) are refused if present"))
+    return rows
+
+
+def qb_admission(model_path, backend: str = "cpu") -> tuple[str, str, str]:
+    """The capability row of the QB layout for a model: what the patched runtime builds for a
+    4-query micro-batch with QB requested, and whether every device's supports_op accepts QB's
+    operators at the model's attention shape (loads the model)."""
+    from .audit.admission import AttnShape, run_admission
+    from .runtime import ContextConfig, Model
+
+    with Model(model_path, backend=backend) as m:
+        if m.memory_kind in ("recurrent", "hybrid"):
+            return ("QB admission", "refused", f"{m.memory_kind} memory: no attention layout to choose")
+        ds = run_admission(AttnShape.of_model(m), qs=(4,), layouts=("QB",), model=m,
+                           backend_config=ContextConfig(backend=backend))
+    sup = ds["supported"].sel(layout="QB", q=4)
+    ok = bool((sup != 0).all())
+    built = str(ds["runtime_built"].sel(layout="QB", q=4).item()) if "runtime_built" in ds else ""
+    admitted = int(ds["runtime_admitted"].sel(layout="QB", q=4).item()) if "runtime_admitted" in ds else -1
+    reason = str(ds["runtime_reason"].sel(layout="QB", q=4).item()) if "runtime_reason" in ds else ""
+    status = "supported" if ok and admitted == 1 else "refused"
+    return ("QB admission", status, f"{backend}: supports_op {'accepts' if ok else 'rejects'} QB's operators; "
+                                    f"runtime built {built or '-'} for 4 queries ({reason or 'admitted'})")
