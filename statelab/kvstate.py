@@ -87,6 +87,7 @@ __all__ = [
     "is_quantised",
     "make_iswa_state",
     "make_state",
+    "type_name",
     "values_f64",
 ]
 
@@ -132,19 +133,19 @@ class KVFormatError(ValueError):
     """A blob (or a state) the codec does not understand or two states that do not match."""
 
 
-def _type_name(t: int) -> str:
+def type_name(t: int) -> str:
     return _GGML_TYPE_NAMES.get(int(t), "unknown")
 
 
 def _supported() -> str:
-    return ", ".join(f"{_type_name(t)} ({t})" for t in _KV_TYPES)
+    return ", ".join(f"{type_name(t)} ({t})" for t in _KV_TYPES)
 
 
 def _check_type(t: int, what: str, offset: int | None = None) -> np.dtype:
     if t not in _KV_TYPES:
         where = f" at offset {offset}" if offset is not None else ""
         raise KVFormatError(
-            f"{what}: ggml type {t} ({_type_name(t)}){where} is not supported; "
+            f"{what}: ggml type {t} ({type_name(t)}){where} is not supported; "
             f"KV caches of these types can be parsed: {_supported()}"
         )
     return _KV_TYPES[t][2]
@@ -176,7 +177,7 @@ def values_f64(a: np.ndarray, t: int) -> np.ndarray:
         d = blocks[:, :, :2].copy().view("<f2")[:, :, :1].astype(np.float64)
         q = blocks[:, :, 2:].view(np.int8).astype(np.float64)
         return (d * q).reshape(a.shape[0], -1)
-    raise KVFormatError(f"no value conversion for ggml type {t} ({_type_name(t)})")
+    raise KVFormatError(f"no value conversion for ggml type {t} ({type_name(t)})")
 
 
 # --------------------------------------------------------------------------- layouts
@@ -204,9 +205,10 @@ class MemoryLayout:
     parts: tuple[PartLayout, ...]
     n_layer: int
     model: str = ""
+    n_head_kv: int = 0  # KV heads per layer (0: unknown; selectors then cannot name heads)
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind, "n_layer": self.n_layer, "model": self.model,
+        return {"kind": self.kind, "n_layer": self.n_layer, "model": self.model, "n_head_kv": self.n_head_kv,
                 "parts": [{"kind": p.kind, "layers": list(p.layers), "n_swa": p.n_swa, "swa_type": p.swa_type}
                           for p in self.parts]}
 
@@ -215,7 +217,7 @@ class MemoryLayout:
         try:
             parts = tuple(PartLayout(str(p["kind"]), tuple(int(x) for x in p["layers"]), int(p.get("n_swa", 0)),
                                      int(p.get("swa_type", SWA_NONE))) for p in d["parts"])
-            return cls(str(d["kind"]), parts, int(d["n_layer"]), str(d.get("model", "")))
+            return cls(str(d["kind"]), parts, int(d["n_layer"]), str(d.get("model", "")), int(d.get("n_head_kv", 0)))
         except (KeyError, TypeError, ValueError) as e:
             raise KVFormatError(f"malformed memory layout record ({e!r})") from None
 
@@ -235,6 +237,7 @@ class CachePart:
     layers: tuple[int, ...] | None = None
     n_swa: int = 0
     swa_type: int = SWA_NONE
+    n_head_kv: int = 0
 
     @property
     def n_cells(self) -> int:
@@ -243,7 +246,7 @@ class CachePart:
     def copy(self) -> "CachePart":
         return CachePart(self.kind, np.array(self.positions, dtype=np.int32, copy=True),
                          tuple(np.array(s, dtype=np.int32, copy=True) for s in self.seq_ids), bool(self.v_trans),
-                         int(self.n_layer), self.layers, int(self.n_swa), int(self.swa_type))
+                         int(self.n_layer), self.layers, int(self.n_swa), int(self.swa_type), int(self.n_head_kv))
 
 
 # --------------------------------------------------------------------------- reader
@@ -322,7 +325,7 @@ def _read_rows(r: _Reader, what: str, t: int, n_cells: int) -> np.ndarray:
     if row == 0 or row % bsize:
         unit = f"{bsize}-byte block of {blk} values" if blk > 1 else f"element size {bsize}"
         raise KVFormatError(
-            f"{what} row size {row} at offset {off} is not a positive multiple of the {_type_name(t)} {unit}"
+            f"{what} row size {row} at offset {off} is not a positive multiple of the {type_name(t)} {unit}"
         )
     return r.array(dt, (n_cells, row // dt.itemsize), f"{what} rows ({n_cells} x {row} bytes)")
 
@@ -384,14 +387,14 @@ def _parse_part(r: _Reader, ext_size: int, header_seq: int, pi: int, tag: str):
         if v_trans:
             if is_quantised(t):
                 raise KVFormatError(
-                    f"{tag}L{il}.V: a transposed V of quantised type {_type_name(t)} at offset {off}: llama.cpp "
+                    f"{tag}L{il}.V: a transposed V of quantised type {type_name(t)} at offset {off}: llama.cpp "
                     "never writes one (quantised V needs flash attention, which stores V untransposed)"
                 )
             off = r.off
             el = r.scalar("<I", f"{tag}L{il}.V element size")
             if el != dt.itemsize:
                 raise KVFormatError(
-                    f"{tag}L{il}.V element size {el} at offset {off} does not match type {_type_name(t)} "
+                    f"{tag}L{il}.V element size {el} at offset {off} does not match type {type_name(t)} "
                     f"({dt.itemsize} bytes)"
                 )
             off = r.off
@@ -469,7 +472,8 @@ def _parse(buf: memoryview, ext_size: int, layout: "MemoryLayout | None") -> "KV
         parts.append(CachePart(
             kind=kinds[pi] if pl is None else pl.kind, positions=pos, seq_ids=ids, v_trans=vtr, n_layer=len(pk),
             layers=(pl.layers if pk else ()) if pl is not None else None,
-            n_swa=pl.n_swa if pl is not None else 0, swa_type=pl.swa_type if pl is not None else SWA_NONE))
+            n_swa=pl.n_swa if pl is not None else 0, swa_type=pl.swa_type if pl is not None else SWA_NONE,
+            n_head_kv=layout.n_head_kv if layout is not None else 0))
         k += pk
         v += pv
         kt += pkt
@@ -673,7 +677,7 @@ class KVState:
             if a.dtype.newbyteorder("<") != dt or a.ndim != 2 or a.shape[0] != n or a.shape[1] == 0 or \
                     self._row_bytes(a) % _KV_TYPES[int(t)][1]:
                 raise KVFormatError(
-                    f"L{il}.K: array {a.dtype} {a.shape} does not match type {_type_name(t)} and "
+                    f"L{il}.K: array {a.dtype} {a.shape} does not match type {type_name(t)} and "
                     f"({n}, n_embd_k_gqa > 0)"
                 )
         for il, (a, t) in enumerate(zip(self.v, self.v_types)):
@@ -685,7 +689,7 @@ class KVState:
                     (not self.v_trans and self._row_bytes(a) % _KV_TYPES[int(t)][1]):
                 expect = "(n_embd_v_gqa, n_cells)" if self.v_trans else "(n_cells, n_embd_v_gqa)"
                 raise KVFormatError(
-                    f"L{il}.V: array {a.dtype} {a.shape} does not match type {_type_name(t)} and {expect} with {n} cells"
+                    f"L{il}.V: array {a.dtype} {a.shape} does not match type {type_name(t)} and {expect} with {n} cells"
                 )
 
     # ---------------------------------------------------------------- serialisation

@@ -159,11 +159,11 @@ class ModelInfo:
             return None
         if self.memory_kind != "iswa":
             return MemoryLayout(self.memory_kind, (PartLayout("kv", tuple(range(self.n_layer))),), self.n_layer,
-                                self.name)
+                                self.name, self.n_head_kv)
         swa = tuple(int(i) for i in self.swa_layers)
         full = tuple(i for i in range(self.n_layer) if i not in set(swa))
         return MemoryLayout("iswa", (PartLayout("full", full), PartLayout("swa", swa, self.n_swa, SWA_STANDARD)),
-                            self.n_layer, self.name)
+                            self.n_layer, self.name, self.n_head_kv)
 
 
 def read_model_info(path: str | os.PathLike | None = None) -> ModelInfo:

@@ -14,6 +14,7 @@ a data file ``selectors/<NAME>.toml`` (the file stem is the name). Schema::
                                        #           [128] or [128, inf] = open end
     layer_kind     = "swa"             # optional: "swa" (sliding-window layers) or "full"
     window         = "inside"          # optional: "inside" or "outside" the sliding window
+    heads          = [0]               # optional: KV heads (needs the model's head count)
 
 Each term is the INTERSECTION of its constraints; an absent constraint does not restrict
 (so an empty ``[[term]]`` selects everything, and a file without terms selects nothing).
@@ -39,6 +40,11 @@ the older ones; without a window every position is inside. Layer indices, fracti
 positions always mean *model* layers and stored positions, whatever cache part holds them,
 so the named selectors keep their meaning on every model (a state of several parts needs
 the model's layer map, which captures record).
+
+``heads = [h, ...]`` keeps the features of those KV heads (head ``h`` = features
+``h*d .. (h+1)*d - 1`` of a K or V row, ``d`` = row width / KV heads); the head count comes
+from the model's layout (captures record it). A quantised row (Q8_0) is addressed whole:
+a term that asks for some but not all heads of a quantised row is refused.
 
 Positions are the cells' stored logical positions (``state.positions``), not cell indices.
 Masks honour the real storage strides: K is ``(n_cells, n_embd_k_gqa)`` (a cell is a row)
@@ -67,7 +73,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .kvstate import SWA_CHUNKED, SWA_SYMMETRIC, KVFormatError, KVState, check_same_geometry
+from .kvstate import (
+    SWA_CHUNKED,
+    SWA_SYMMETRIC,
+    KVFormatError,
+    KVState,
+    type_name,
+    check_same_geometry,
+    is_quantised,
+)
 
 __all__ = [
     "Selection",
@@ -85,7 +99,7 @@ __all__ = [
 
 COMPONENTS = ("K", "V", "KV")
 _TOP_KEYS = ("description", "term")
-_TERM_KEYS = ("selector", "layers", "layer_fraction", "component", "positions", "layer_kind", "window")
+_TERM_KEYS = ("selector", "layers", "layer_fraction", "component", "positions", "layer_kind", "window", "heads")
 LAYER_KINDS = ("swa", "full")
 WINDOW_SIDES = ("inside", "outside")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -116,6 +130,7 @@ class Term:
     selector: "Selector | None" = None
     layer_kind: str | None = None  # "swa" / "full"
     window: str | None = None  # "inside" / "outside"
+    heads: tuple[int, ...] | None = None  # KV head indices
 
     def layer_mask(self, n_layer: int) -> np.ndarray:
         mask = np.zeros(n_layer, dtype=bool)
@@ -160,6 +175,8 @@ class Term:
             parts.append(f"{self.layer_kind} layers")
         if self.window is not None:
             parts.append(f"{self.window} the window")
+        if self.heads is not None:
+            parts.append(f"heads {list(self.heads)}")
         return " & ".join(parts)
 
 
@@ -287,6 +304,11 @@ def _parse_term(raw, where: str, resolve) -> Term:
     side = raw.get("window")
     if side is not None and side not in WINDOW_SIDES:
         raise SelectorError(f"{where}: unknown window {side!r} (allowed: {', '.join(WINDOW_SIDES)})")
+    heads = raw.get("heads")
+    if heads is not None:
+        if not isinstance(heads, list) or not heads or not all(_is_int(h) and h >= 0 for h in heads):
+            raise SelectorError(f"{where}: 'heads' must be a non-empty list of head indices >= 0, got {heads!r}")
+        heads = tuple(sorted(set(heads)))
     ref = None
     if "selector" in raw:
         name = raw["selector"]
@@ -294,7 +316,7 @@ def _parse_term(raw, where: str, resolve) -> Term:
             raise SelectorError(f"{where}: 'selector' must be a selector name, got {name!r}")
         ref = resolve(name)
     return Term(component=comp, layers=layers, layer_fraction=frac, positions=positions, selector=ref,
-                layer_kind=kind, window=side)
+                layer_kind=kind, window=side, heads=heads)
 
 
 def _load_file(path: Path, name: str, dirs: list[Path], stack: tuple[str, ...]) -> Selector:
@@ -507,15 +529,45 @@ def _eval(selector: Selector, state: KVState) -> tuple[list[np.ndarray], list[np
         base = _eval(term.selector, state) if term.selector is not None else None
         for il in np.flatnonzero(lm):
             cm = cms[int(lpart[il])]
-            k_cells = cm[:, None]                               # K: a cell is a row
-            v_cells = cm[None, :] if state.v_trans else cm[:, None]  # V^T: a cell is a column
             if "K" in term.component:
-                t = np.broadcast_to(k_cells, k[il].shape)
+                f = _head_features(selector, term, state, il, "K")
+                t = cm[:, None] & f[None, :]                         # K: a cell is a row
                 k[il] |= (t & base[0][il]) if base is not None else t
             if "V" in term.component:
-                t = np.broadcast_to(v_cells, v[il].shape)
+                f = _head_features(selector, term, state, il, "V")
+                t = (f[:, None] & cm[None, :]) if state.v_trans else (cm[:, None] & f[None, :])  # V^T: a column
                 v[il] |= (t & base[1][il]) if base is not None else t
     return k, v
+
+
+def _head_features(selector: Selector, term: Term, state: KVState, il: int, comp: str) -> np.ndarray:
+    """Which stored columns (features, or bytes of a quantised row) of layer ``il``'s K/V rows the
+    term keeps: all of them unless it names heads."""
+    a, t = (state.k[il], state.k_types[il]) if comp == "K" else (state.v[il], state.v_types[il])
+    width = a.shape[0] if comp == "V" and state.v_trans else a.shape[1]
+    f = np.ones(width, dtype=bool)
+    if term.heads is None:
+        return f
+    nh = state.part_list[int(state.layer_part[il])].n_head_kv
+    if nh <= 0:
+        raise SelectorError(f"selector {selector.name!r} names heads, but the state's KV head count is unknown "
+                            "(captures record it with the model's layout)")
+    if term.heads[-1] >= nh:
+        raise SelectorError(f"selector {selector.name!r} names head {term.heads[-1]}, but the model has {nh} KV "
+                            f"heads (valid: 0..{nh - 1})")
+    if is_quantised(t):
+        if len(term.heads) != nh:
+            raise SelectorError(
+                f"selector {selector.name!r} asks for heads {list(term.heads)} of {nh} in layer "
+                f"{state.layer_ids[il]}'s {type_name(t)} {comp} rows: quantised rows are addressed whole "
+                "(layer x cell x K/V); select every head or none"
+            )
+        return f
+    d = width // nh
+    f[:] = False
+    for h in term.heads:
+        f[h * d:(h + 1) * d] = True
+    return f
 
 
 def select(selector: Selector, state: KVState) -> Selection:

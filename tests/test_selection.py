@@ -399,3 +399,24 @@ def test_quantised_rows_are_selected_whole():
     s = make_state(4, 2, 64, k_type=GGML_Q8_0, v_type=GGML_Q8_0, v_trans=False)
     m = sel("L0_K", s)
     assert m.k[0].shape == (4, 68) and m.k[0].all() and m.k_bytes[0] == 4 * 68
+
+
+def test_heads_term_selects_head_features_and_refuses_part_of_a_quantised_row(tmp_path):
+    from statelab.kvstate import GGML_Q8_0, MemoryLayout, PartLayout
+
+    layout = MemoryLayout("kv", (PartLayout("kv", (0, 1)),), 2, "two-head", n_head_kv=2)
+    s = KVState.parse(make_state(3, 2, 64, k_type=GGML_F16, v_trans=True).to_bytes(), layout)
+    write(tmp_path, "H1", '[[term]]\nheads = [1]\nlayers = [0]\n')
+    m = select(load_selector(tmp_path / "H1.toml"), s)
+    assert m.k[0][:, 32:].all() and not m.k[0][:, :32].any()  # K row: features 32..63
+    assert m.v[0][32:, :].all() and not m.v[0][:32, :].any()  # V^T: feature rows 32..63
+    q = KVState.parse(make_state(3, 2, 64, k_type=GGML_Q8_0, v_type=GGML_Q8_0, v_trans=False).to_bytes(), layout)
+    with pytest.raises(SelectorError, match="quantised rows are addressed whole"):
+        select(load_selector(tmp_path / "H1.toml"), q)
+    write(tmp_path, "H01", '[[term]]\nheads = [0, 1]\n')
+    assert select(load_selector(tmp_path / "H01.toml"), q).equals(sel("ALL", q))
+    write(tmp_path, "H5", '[[term]]\nheads = [5]\n')
+    with pytest.raises(SelectorError, match="has 2 KV heads"):
+        select(load_selector(tmp_path / "H5.toml"), s)
+    with pytest.raises(SelectorError, match="head count is unknown"):
+        select(load_selector(tmp_path / "H1.toml"), make_state(3, 2, 64))
