@@ -241,10 +241,10 @@ def diff(a: Path = typer.Argument(..., help="capture A"), b: Path = typer.Argume
     ca, cb = _capture_dir(a), _capture_dir(b)
     d = compare(ca.state, cb.state)
     t = Table(title=f"{ca.schedule.name} vs {cb.schedule.name} ({ca.prompt_id})")
-    for col in ("layer", "comp", "changed bytes", "max |d|", "L2", "L2 rel"):
+    for col in ("layer", "cache", "comp", "changed bytes", "max |d|", "L2", "L2 rel"):
         t.add_column(col, justify="right")
     for r in d.records():
-        t.add_row(str(r["layer"]), r["component"], str(r["changed_bytes"]), f"{r['max_abs']:.6g}",
+        t.add_row(str(r["layer"]), r["cache"], r["component"], str(r["changed_bytes"]), f"{r['max_abs']:.6g}",
                   f"{r['l2']:.6g}", f"{r['l2_rel']:.3g}")
     console.print(t)
     same_logits = ca.logits.tobytes() == cb.logits.tobytes()

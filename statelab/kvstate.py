@@ -932,7 +932,7 @@ class ComponentDiff:
     identical NaNs do not); ``max_abs`` and ``l2`` are over those values only.
     """
 
-    layer: int
+    layer: int  # model layer
     component: str  # "K" or "V"
     n_values: int
     nbytes: int
@@ -942,10 +942,11 @@ class ComponentDiff:
     l2: float
     ref_l2: float
     l2_rel: float
+    cache: str = "kv"  # the cache part holding the layer: "kv", "full" or "swa"
 
     def record(self) -> dict:
         return {
-            "layer": self.layer, "component": self.component, "n_values": self.n_values,
+            "layer": self.layer, "component": self.component, "cache": self.cache, "n_values": self.n_values,
             "nbytes": self.nbytes, "changed_bytes": self.changed_bytes,
             "changed_values": self.changed_values, "max_abs": self.max_abs, "l2": self.l2,
             "ref_l2": self.ref_l2, "l2_rel": self.l2_rel,
@@ -1008,6 +1009,7 @@ def compare(a: KVState, b: KVState, reference: KVState | None = None) -> StateDi
         check_same_geometry(a, ref, ("a", "reference"))
     comps: dict[str, ComponentDiff] = {}
     ids = a.layer_ids or tuple(range(a.n_layer))
+    kinds = a.layer_kinds
     for comp, xs, ys, rs, types in (("K", a.k, b.k, ref.k, a.k_types), ("V", a.v, b.v, ref.v, a.v_types)):
         for il, (x, y, r, t) in enumerate(zip(xs, ys, rs, types)):
             uview = _UINT_VIEW[int(t)]
@@ -1038,7 +1040,7 @@ def compare(a: KVState, b: KVState, reference: KVState | None = None) -> StateDi
             comps[a.component_name(il, comp)] = ComponentDiff(
                 layer=int(ids[il]), component=comp, n_values=n_values, nbytes=int(x.nbytes),
                 changed_bytes=changed_bytes, changed_values=changed_values, max_abs=max_abs,
-                l2=l2, ref_l2=ref_l2, l2_rel=_rel(l2, ref_l2),
+                l2=l2, ref_l2=ref_l2, l2_rel=_rel(l2, ref_l2), cache=kinds[il],
             )
     cs = list(comps.values())
     l2 = float(np.sqrt(sum(c.l2 ** 2 for c in cs)))
