@@ -587,22 +587,44 @@ def select(selector: Selector, state: KVState) -> Selection:
     )
 
 
+def _cell_map(rp, dp) -> np.ndarray | None:
+    """Donor cell of each recipient cell of one part, matched by stored position (None: same order).
+
+    A ring-buffer cache (the sliding-window cache once the prompt outgrows it) may hold the
+    same positions in another cell order; any other difference is refused."""
+    if np.array_equal(rp.positions, dp.positions):
+        return None
+    r_order, d_order = np.argsort(rp.positions, kind="stable"), np.argsort(dp.positions, kind="stable")
+    if not np.array_equal(rp.positions[r_order], dp.positions[d_order]) or \
+            len(np.unique(rp.positions)) != len(rp.positions):
+        first = int(np.flatnonzero(np.asarray(rp.positions) != np.asarray(dp.positions))[0])
+        raise KVFormatError(
+            f"recipient and donor store different positions in the {rp.kind} cache (first at cell {first}: "
+            f"{int(rp.positions[first])} vs {int(dp.positions[first])}); cells do not correspond"
+        )
+    perm = np.empty(len(r_order), dtype=np.int64)
+    perm[r_order] = d_order
+    return perm
+
+
 def apply_subset(recipient: KVState, donor: KVState, selection: Selection) -> KVState:
     """A copy of ``recipient`` whose selected values come from ``donor``.
 
-    Refuses (:class:`KVFormatError`) states of different geometry, different stored
-    positions (cells would not correspond) or a selection made for another geometry.
+    Cells correspond by stored position (a part whose cells hold the same positions in
+    another order is matched position by position). Refuses (:class:`KVFormatError`)
+    states of different geometry, different stored positions or a selection made for
+    another geometry.
     """
     check_same_geometry(recipient, donor, ("recipient", "donor"))
-    for rp, dp in zip(recipient.part_list, donor.part_list):
-        if not np.array_equal(rp.positions, dp.positions):
-            first = int(np.flatnonzero(np.asarray(rp.positions) != np.asarray(dp.positions))[0])
-            raise KVFormatError(
-                f"recipient and donor store different positions in the {rp.kind} cache (first at cell {first}: "
-                f"{int(rp.positions[first])} vs {int(dp.positions[first])}); cells do not correspond"
-            )
+    maps = [_cell_map(rp, dp) for rp, dp in zip(recipient.part_list, donor.part_list)]
     selection.check_matches(recipient)
     out = recipient.copy()
-    for dst, src, m in zip(out.k + out.v, donor.k + donor.v, selection.k + selection.v):
-        np.copyto(dst, src, where=m)
+    lpart = recipient.layer_part
+    for il, perm in enumerate(maps[int(i)] for i in lpart):
+        dk, dv = donor.k[il], donor.v[il]
+        if perm is not None:
+            dk = dk[perm]
+            dv = dv[:, perm] if donor.v_trans else dv[perm]
+        np.copyto(out.k[il], dk, where=selection.k[il])
+        np.copyto(out.v[il], dv, where=selection.v[il])
     return out

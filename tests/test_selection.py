@@ -420,3 +420,14 @@ def test_heads_term_selects_head_features_and_refuses_part_of_a_quantised_row(tm
         select(load_selector(tmp_path / "H5.toml"), s)
     with pytest.raises(SelectorError, match="head count is unknown"):
         select(load_selector(tmp_path / "H1.toml"), make_state(3, 2, 64))
+
+
+def test_subset_cross_matches_cells_by_position_when_a_ring_cache_reorders_them():
+    r = make_state(5, 2, 4, positions=[10, 11, 12, 13, 14], seed=1)
+    d = make_state(5, 2, 4, positions=[13, 14, 10, 11, 12], seed=2)  # same cells, wrapped ring
+    mixed = apply_subset(r, d, sel("ALL", r))
+    assert np.array_equal(mixed.positions, r.positions)
+    assert np.array_equal(mixed.k[1], d.k[1][[2, 3, 4, 0, 1]]) and np.array_equal(mixed.v[0], d.v[0][:, [2, 3, 4, 0, 1]])
+    other = make_state(5, 2, 4, positions=[10, 11, 12, 13, 15])
+    with pytest.raises(KVFormatError, match="different positions"):
+        apply_subset(r, other, sel("ALL", r))
