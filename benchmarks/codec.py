@@ -13,6 +13,7 @@ second array (what a subset cross does).  The models' rounds are interleaved.  G
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -70,13 +71,15 @@ def main():
                 for k, v in zip(STEPS, t):
                     c["times"][k].append(v)
     med = statistics.median
+    load = os.getloadavg()[0]
     lines = []
     for c in cases:
         st = c["state"]
         parts = " + ".join(f"{p.kind} {p.n_cells} cells x {p.n_layer} layers" for p in st.part_list)
         lines.append(f"- {c['name']}: {len(c['blob']) / 2**20:.1f} MiB, {parts}, F16 K/V")
     body = (f"Command: `.venv/bin/python benchmarks/codec.py --rounds {a.rounds} --models {a.models}`  \n{machine()}; "
-            f"real states of a {a.cells}-token prefill, rounds interleaved:\n\n" + "\n".join(lines) + "\n\n"
+            f"real states of a {a.cells}-token prefill, rounds interleaved; 1-minute load average "
+            f"{load:.1f} when the rounds ended (other processes share the cores):\n\n" + "\n".join(lines) + "\n\n"
             "| model | step | median ms | min ms | max ms |\n|---|---|---|---|---|\n"
             + "".join(f"| {c['name']} | {k} | {med(v):.2f} | {min(v):.2f} | {max(v):.2f} |\n"
                       for c in cases for k, v in c["times"].items())
