@@ -300,4 +300,5 @@ def qb_admission(model_path, backend: str = "cpu") -> tuple[str, str, str]:
     reason = str(ds["runtime_reason"].sel(layout="QB", q=4).item()) if "runtime_reason" in ds else ""
     status = "supported" if ok and admitted == 1 else "refused"
     return ("QB admission", status, f"{backend}: supports_op {'accepts' if ok else 'rejects'} QB's operators; "
-                                    f"runtime built {built or '-'} for 4 queries ({reason or 'admitted'})")
+                                    f"runtime built {built or '-'} for 4 queries ({reason or 'admitted'}); "
+                                    "admission only: `statelab spec run` qualifies the arms against R")
