@@ -203,7 +203,9 @@ def _read_header(p: Path) -> ModelInfo:
     n_head = int(get(f"{arch}.attention.head_count", 0))
     n_head_kv = get(f"{arch}.attention.head_count_kv", n_head)
     if isinstance(n_head_kv, list):
-        raise ModelError(f"per-layer KV head counts are not supported: {p}")
+        if arch not in RECURRENT_ARCHS | HYBRID_ARCHS:
+            raise ModelError(f"per-layer KV head counts are not supported: {p}")
+        n_head_kv = max(int(x) for x in n_head_kv)  # recurrent layers list 0: the attention layers' count
     n_embd = int(get(f"{arch}.embedding_length", 0))
     hk = int(get(f"{arch}.attention.key_length", n_embd // max(n_head, 1)))
     hv = int(get(f"{arch}.attention.value_length", hk))
