@@ -330,7 +330,7 @@ def _read_rows(r: _Reader, what: str, t: int, n_cells: int) -> np.ndarray:
     return r.array(dt, (n_cells, row // dt.itemsize), f"{what} rows ({n_cells} x {row} bytes)")
 
 
-def _parse_part(r: _Reader, ext_size: int, header_seq: int, pi: int, tag: str):
+def _parse_part(r: _Reader, ext_size: int, header_seq: int, tag: str):
     """One ``llama_kv_cache::state_write`` part at the reader's offset.
 
     Returns (positions, seq_ids, v_trans, k, v, k_types, v_types)."""
@@ -440,14 +440,14 @@ def _parse(buf: memoryview, ext_size: int, layout: "MemoryLayout | None") -> "KV
             # without a layout a second part is read as the sliding-window cache of an
             # iSWA memory; anything else after the first part is refused as trailing bytes
             try:
-                raw.append(_parse_part(r, ext_size, header_seq, pi, tag))
+                raw.append(_parse_part(r, ext_size, header_seq, tag))
             except KVFormatError as e:
                 raise KVFormatError(
                     f"trailing bytes: {r.n - start} bytes after the end of the KV stream at offset {start} are not a "
                     f"second (sliding-window) KV cache ({e}); recurrent / hybrid memories are not supported"
                 ) from None
         else:
-            raw.append(_parse_part(r, ext_size, header_seq, pi, tag))
+            raw.append(_parse_part(r, ext_size, header_seq, tag))
         if r.off == r.n:
             if want is not None and len(raw) != want:
                 raise KVFormatError(

@@ -28,12 +28,15 @@ def arms(gemma, base_config, he):
     return {name: natural(gemma, p, PRESETS[name], base_config, CAP) for name in ("A", "R")}
 
 
-@pytest.mark.parametrize("schedule, type_k, type_v, flash", [
-    ("A", "f16", "f16", False), ("R", "f16", "f16", False), ("40+rest@ub16", "f32", "f32", False),
-    ("A", "bf16", "bf16", False), ("A", "q8_0", "f16", False), ("A", "q8_0", "q8_0", True),
+@pytest.mark.parametrize("task, schedule, type_k, type_v, flash", [
+    ("HumanEval/2", "A", "f16", "f16", False), ("HumanEval/2", "R", "f16", "f16", False),
+    ("HumanEval/20", "B", "f16", "f16", False), ("HumanEval/20", "C", "f16", "f16", False),
+    ("HumanEval/2", "40+rest@ub16", "f32", "f32", False), ("HumanEval/2", "A", "bf16", "bf16", False),
+    ("HumanEval/2", "A", "q8_0", "f16", False), ("HumanEval/2", "A", "q8_0", "q8_0", True),
 ])
-def test_codec_round_trip_of_every_part_on_real_states(gemma, base_config, he, schedule, type_k, type_v, flash):
-    p = he("HumanEval/2")
+def test_codec_round_trip_of_every_part_on_real_states(gemma, base_config, he, task, schedule, type_k, type_v,
+                                                       flash):
+    p = he(task)
     n = len(gemma.tokenize(p.text))
     cfg = base_config.with_(type_k=type_k, type_v=type_v, flash_attn=flash)
     c = form(gemma, p, parse_schedule(schedule), cfg)
@@ -41,7 +44,7 @@ def test_codec_round_trip_of_every_part_on_real_states(gemma, base_config, he, s
     assert st.to_bytes() == c.blob
     assert [(q.kind, q.n_layer) for q in st.parts] == [("full", 3), ("swa", 15)]
     assert st.layer_ids == FULL_LAYERS + SWA_LAYERS and st.parts[1].n_swa == 512
-    assert all(q.positions.tolist() == list(range(n)) for q in st.parts)  # 86 < window: both hold every cell
+    assert all(q.positions.tolist() == list(range(n)) for q in st.parts)  # n < window: both hold every cell
     types = {"f32": GGML_F32, "f16": GGML_F16, "bf16": GGML_BF16, "q8_0": GGML_Q8_0}
     assert set(st.k_types) == {types[type_k]} and set(st.v_types) == {types[type_v]}
     assert st.n_embd_k_gqa == [256] * 18 and st.v_trans == (not flash)
@@ -140,6 +143,12 @@ def test_cli_capture_sham_cross_diff_and_refusals(cli, tmp_path):
     one_line_error(cli("capture", tmp_path / "q", "-H", "2", "--model", "gemma3", "--cache-type-v", "q8_0"),
                    "flash attention")
     assert not (tmp_path / "q").exists()
+
+
+def test_cli_sweep(cli):
+    r = cli("sweep", "-H", "2", "--model", "gemma3", "--schedules", "A,C,R", "--cap", "3")
+    assert r.returncode == 0, r.stderr
+    assert "state classes:    A, C | R" in r.stdout
 
 
 def test_cli_doctor_names_the_capabilities(cli):
