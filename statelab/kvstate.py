@@ -551,10 +551,6 @@ class KVState:
         return [CachePart("kv", self.positions, self.seq_ids, bool(self.v_trans), len(self.k))]
 
     @property
-    def memory_kind(self) -> str:
-        return "iswa" if len(self.part_list) == 2 else "kv"
-
-    @property
     def layer_part(self) -> np.ndarray:
         """Index of the part each (flattened) layer belongs to."""
         ps = self.part_list

@@ -212,7 +212,7 @@ def _read_header(p: Path) -> ModelInfo:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     n_vocab = int(get(f"{arch}.vocab_size", len(tokens.data) if tokens is not None else 0))
     n_layer = int(get(f"{arch}.block_count", 0))
-    kind, n_swa, swa_layers, known = _memory_kind(arch, n_layer, get)
+    kind, n_swa, swa_layers, known = memory_kind_of(arch, n_layer, get)
     return ModelInfo(
         memory_kind=kind, n_swa=n_swa, swa_layers=swa_layers, layer_kinds_known=known,
         path=str(p), sha256=model_sha256(p), architecture=arch, name=str(get("general.name", p.stem)),
@@ -223,7 +223,7 @@ def _read_header(p: Path) -> ModelInfo:
     )
 
 
-def _memory_kind(arch: str, n_layer: int, get) -> tuple[str, int, list, bool]:
+def memory_kind_of(arch: str, n_layer: int, get) -> tuple[str, int, list, bool]:
     """(memory kind, window, sliding-window layers, layer kinds known) from the GGUF header,
     following the pinned llama.cpp: a model with a sliding window gets an iSWA memory
     whose layer pattern is the GGUF's ``sliding_window_pattern`` (a per-layer bool array or

@@ -2,7 +2,7 @@
 import pytest
 
 from statelab.kvstate import SWA_STANDARD, KVFormatError, KVState, MemoryLayout, PartLayout, make_iswa_state
-from statelab.models import _memory_kind, capabilities
+from statelab.models import memory_kind_of, capabilities
 
 
 def header(**kv):
@@ -23,7 +23,7 @@ def header(**kv):
     ("jamba", {}, 4, ("hybrid", 0, [], True)),
 ])
 def test_memory_kind_follows_the_pinned_llama_cpp(arch, keys, n_layer, want):
-    assert _memory_kind(arch, n_layer, header(**keys)) == want
+    assert memory_kind_of(arch, n_layer, header(**keys)) == want
 
 
 def test_layout_record_round_trips_and_refuses_junk():
