@@ -112,6 +112,11 @@ def test_quantised_rows_are_addressed_whole(gemma, base_config, he, tmp_path):
     assert select(load_selector(tmp_path / "H.toml"), st).equals(select(load_selector("K_ALL"), st))
     with pytest.raises(ConfigError, match="flash attention"):
         base_config.with_(type_v="q8_0")
+    # a subset cross of whole quantised rows restores and reads back byte for byte
+    r = form(gemma, he("HumanEval/2"), PRESETS["R"], base_config.with_(type_k="q8_0"))
+    sel = select(load_selector("FULL"), r.state)
+    ep, acc = subset_cross(gemma, c, r, sel, 2)
+    assert acc.verified and acc.selected_bytes == sel.selected_bytes and acc.changed_bytes > 0
 
 
 def test_a_capture_of_another_model_is_refused(gemma, model, base_config, he, arms):
