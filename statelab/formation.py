@@ -134,11 +134,19 @@ class Capture:
         return int(len(self.tokens))
 
     @property
+    def layout(self):
+        """The model's memory layout recorded with the capture (None for older captures: one KV cache)."""
+        from .kvstate import MemoryLayout
+
+        rec = self.identity.get("memory")
+        return MemoryLayout.from_dict(rec) if isinstance(rec, dict) else None
+
+    @property
     def state(self):
         from .kvstate import KVState
 
         if "_state" not in self.__dict__:
-            self.__dict__["_state"] = KVState.parse(self.blob)
+            self.__dict__["_state"] = KVState.parse(self.blob, self.layout)
         return self.__dict__["_state"]
 
     def hashes(self) -> dict:

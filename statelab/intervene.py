@@ -71,6 +71,10 @@ def sham(model, capture: Capture, cap: int = DEFAULT_CAP, trace: bool = False) -
 
 
 def _same_prompt(a: Capture, b: Capture) -> None:
+    ma, mb = a.identity.get("model_sha256"), b.identity.get("model_sha256")
+    if ma != mb:
+        raise IdentityError(f"donor ({a.prompt_id}) was formed with model {str(ma)[:12]}…, recipient "
+                            f"({b.prompt_id}) with model {str(mb)[:12]}…: a state does not cross models")
     if a.prompt_sha256 != b.prompt_sha256 or not np.array_equal(a.tokens, b.tokens):
         raise IdentityError(f"donor ({a.prompt_id}) and recipient ({b.prompt_id}) were formed on different prompts")
 

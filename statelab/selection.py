@@ -12,6 +12,9 @@ a data file ``selectors/<NAME>.toml`` (the file stem is the name). Schema::
     component      = "K"               # optional: "K", "V" or "KV" (default "KV")
     positions      = [0, 128]          # optional: half-open [start, end) of stored positions;
                                        #           [128] or [128, inf] = open end
+    layer_kind     = "swa"             # optional: "swa" (sliding-window layers) or "full"
+    window         = "inside"          # optional: "inside" or "outside" the sliding window
+    heads          = [0]               # optional: KV heads (needs the model's head count)
 
 Each term is the INTERSECTION of its constraints; an absent constraint does not restrict
 (so an empty ``[[term]]`` selects everything, and a file without terms selects nothing).
@@ -27,6 +30,21 @@ exact rational arithmetic (round half up). Adjacent ranges therefore partition t
 layers with no gap or overlap. With 32 layers the quarters give 8/16/8 (the paper's
 early/middle/late); with SmolLM2-135M's 30 layers, b(1/4) = floor(8.0) = 8 and
 b(3/4) = floor(23.0) = 23, so EARLY = 0..7 (8), MIDDLE = 8..22 (15), LATE = 23..29 (7).
+
+Layer kinds (iSWA models such as Gemma 2/3): ``layer_kind = "swa"`` selects the layers
+that attend through the sliding window (stored in the sliding-window cache), ``"full"``
+the layers of the full cache; on a model without a window every layer is ``full``.
+``window = "inside"`` selects the cells whose position ``p`` the window of the last
+position still sees (``pos_max - p < n_swa``, llama.cpp's ``is_masked_swa``), ``"outside"``
+the older ones; without a window every position is inside. Layer indices, fractions and
+positions always mean *model* layers and stored positions, whatever cache part holds them,
+so the named selectors keep their meaning on every model (a state of several parts needs
+the model's layer map, which captures record).
+
+``heads = [h, ...]`` keeps the features of those KV heads (head ``h`` = features
+``h*d .. (h+1)*d - 1`` of a K or V row, ``d`` = row width / KV heads); the head count comes
+from the model's layout (captures record it). A quantised row (Q8_0) is addressed whole:
+a term that asks for some but not all heads of a quantised row is refused.
 
 Positions are the cells' stored logical positions (``state.positions``), not cell indices.
 Masks honour the real storage strides: K is ``(n_cells, n_embd_k_gqa)`` (a cell is a row)
@@ -55,7 +73,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .kvstate import KVFormatError, KVState, check_same_geometry
+from .kvstate import (
+    SWA_CHUNKED,
+    SWA_SYMMETRIC,
+    KVFormatError,
+    KVState,
+    type_name,
+    check_same_geometry,
+    is_quantised,
+)
 
 __all__ = [
     "Selection",
@@ -68,11 +94,14 @@ __all__ = [
     "list_selectors",
     "load_selector",
     "select",
+    "window_mask",
 ]
 
 COMPONENTS = ("K", "V", "KV")
 _TOP_KEYS = ("description", "term")
-_TERM_KEYS = ("selector", "layers", "layer_fraction", "component", "positions")
+_TERM_KEYS = ("selector", "layers", "layer_fraction", "component", "positions", "layer_kind", "window", "heads")
+LAYER_KINDS = ("swa", "full")
+WINDOW_SIDES = ("inside", "outside")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REPO_SELECTORS = Path(__file__).resolve().parent.parent / "selectors"
 
@@ -99,6 +128,9 @@ class Term:
     layer_fraction: tuple[Fraction, Fraction] | None = None
     positions: tuple[int, int | None] | None = None  # half-open; None end = open
     selector: "Selector | None" = None
+    layer_kind: str | None = None  # "swa" / "full"
+    window: str | None = None  # "inside" / "outside"
+    heads: tuple[int, ...] | None = None  # KV head indices
 
     def layer_mask(self, n_layer: int) -> np.ndarray:
         mask = np.zeros(n_layer, dtype=bool)
@@ -111,14 +143,19 @@ class Term:
             mask[:] = True
         return mask
 
-    def cell_mask(self, positions: np.ndarray) -> np.ndarray:
-        if self.positions is None:
-            return np.ones(len(positions), dtype=bool)
-        start, end = self.positions
-        pos = np.asarray(positions, dtype=np.int64)
-        m = pos >= start
-        if end is not None:
-            m &= pos < end
+    def cell_mask(self, positions: np.ndarray, inside: np.ndarray | None = None) -> np.ndarray:
+        """Cells this term keeps; ``inside``: which of them the sliding window sees (None: all)."""
+        m = np.ones(len(positions), dtype=bool)
+        if self.positions is not None:
+            start, end = self.positions
+            pos = np.asarray(positions, dtype=np.int64)
+            m &= pos >= start
+            if end is not None:
+                m &= pos < end
+        if self.window is not None and inside is not None:
+            m &= inside if self.window == "inside" else ~inside
+        elif self.window == "outside":
+            m[:] = False
         return m
 
     def describe(self) -> str:
@@ -134,6 +171,12 @@ class Term:
         if self.positions is not None:
             end = "inf" if self.positions[1] is None else self.positions[1]
             parts.append(f"positions [{self.positions[0]}, {end})")
+        if self.layer_kind is not None:
+            parts.append(f"{self.layer_kind} layers")
+        if self.window is not None:
+            parts.append(f"{self.window} the window")
+        if self.heads is not None:
+            parts.append(f"heads {list(self.heads)}")
         return " & ".join(parts)
 
 
@@ -255,13 +298,25 @@ def _parse_term(raw, where: str, resolve) -> Term:
         if end is not None and end <= start:
             raise SelectorError(f"{where}: empty position range [{start}, {end})")
         positions = (start, end)
+    kind = raw.get("layer_kind")
+    if kind is not None and kind not in LAYER_KINDS:
+        raise SelectorError(f"{where}: unknown layer_kind {kind!r} (allowed: {', '.join(LAYER_KINDS)})")
+    side = raw.get("window")
+    if side is not None and side not in WINDOW_SIDES:
+        raise SelectorError(f"{where}: unknown window {side!r} (allowed: {', '.join(WINDOW_SIDES)})")
+    heads = raw.get("heads")
+    if heads is not None:
+        if not isinstance(heads, list) or not heads or not all(_is_int(h) and h >= 0 for h in heads):
+            raise SelectorError(f"{where}: 'heads' must be a non-empty list of head indices >= 0, got {heads!r}")
+        heads = tuple(sorted(set(heads)))
     ref = None
     if "selector" in raw:
         name = raw["selector"]
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise SelectorError(f"{where}: 'selector' must be a selector name, got {name!r}")
         ref = resolve(name)
-    return Term(component=comp, layers=layers, layer_fraction=frac, positions=positions, selector=ref)
+    return Term(component=comp, layers=layers, layer_fraction=frac, positions=positions, selector=ref,
+                layer_kind=kind, window=side, heads=heads)
 
 
 def _load_file(path: Path, name: str, dirs: list[Path], stack: tuple[str, ...]) -> Selector:
@@ -430,25 +485,89 @@ class Selection:
             )
 
 
+def window_mask(state: KVState, positions: np.ndarray) -> np.ndarray | None:
+    """Which of ``positions`` the sliding window of the state's last position sees
+    (llama.cpp's ``is_masked_swa``, negated); None when the state has no window."""
+    swa = [p for p in state.part_list if p.kind == "swa"]
+    if not swa or not swa[0].n_swa:
+        return None
+    n_swa, swa_type = int(swa[0].n_swa), int(swa[0].swa_type)
+    pos = np.asarray(positions, dtype=np.int64)
+    p1 = int(max((int(p.positions.max()) for p in state.part_list if p.n_cells), default=0))
+    if swa_type == SWA_CHUNKED:
+        return pos >= (p1 // n_swa) * n_swa
+    if swa_type == SWA_SYMMETRIC:
+        return np.abs(p1 - pos) <= n_swa // 2
+    return p1 - pos < n_swa
+
+
+def _layer_map(state: KVState) -> np.ndarray:
+    ids = state.layer_ids
+    if ids is None:
+        raise SelectorError(
+            "the state has a full and a sliding-window cache but no layer map (parse it with the model's "
+            "MemoryLayout: captures record it); selectors name model layers"
+        )
+    return np.asarray(ids, dtype=np.int64)
+
+
 def _eval(selector: Selector, state: KVState) -> tuple[list[np.ndarray], list[np.ndarray]]:
     k = [np.zeros(a.shape, dtype=bool) for a in state.k]
     v = [np.zeros(a.shape, dtype=bool) for a in state.v]
     if not state.n_layer:  # empty state: nothing to select
         return k, v
+    ids = _layer_map(state)
+    kinds = np.array(["swa" if x == "swa" else "full" for x in state.layer_kinds])
+    lpart = state.layer_part
+    parts = state.part_list
+    inside = [window_mask(state, p.positions) for p in parts]
     for term in selector.terms:
-        lm = term.layer_mask(state.n_layer)
-        cm = term.cell_mask(state.positions)
+        lm = term.layer_mask(state.n_layer)[ids]  # model layers -> stored layers
+        if term.layer_kind is not None:
+            lm &= kinds == term.layer_kind
+        cms = [term.cell_mask(p.positions, w) for p, w in zip(parts, inside)]
         base = _eval(term.selector, state) if term.selector is not None else None
-        k_cells = cm[:, None]                               # K: a cell is a row
-        v_cells = cm[None, :] if state.v_trans else cm[:, None]  # V^T: a cell is a column
         for il in np.flatnonzero(lm):
+            cm = cms[int(lpart[il])]
             if "K" in term.component:
-                t = np.broadcast_to(k_cells, k[il].shape)
+                f = _head_features(selector, term, state, il, "K")
+                t = cm[:, None] & f[None, :]                         # K: a cell is a row
                 k[il] |= (t & base[0][il]) if base is not None else t
             if "V" in term.component:
-                t = np.broadcast_to(v_cells, v[il].shape)
+                f = _head_features(selector, term, state, il, "V")
+                t = (f[:, None] & cm[None, :]) if state.v_trans else (cm[:, None] & f[None, :])  # V^T: a column
                 v[il] |= (t & base[1][il]) if base is not None else t
     return k, v
+
+
+def _head_features(selector: Selector, term: Term, state: KVState, il: int, comp: str) -> np.ndarray:
+    """Which stored columns (features, or bytes of a quantised row) of layer ``il``'s K/V rows the
+    term keeps: all of them unless it names heads."""
+    a, t = (state.k[il], state.k_types[il]) if comp == "K" else (state.v[il], state.v_types[il])
+    width = a.shape[0] if comp == "V" and state.v_trans else a.shape[1]
+    f = np.ones(width, dtype=bool)
+    if term.heads is None:
+        return f
+    nh = state.part_list[int(state.layer_part[il])].n_head_kv
+    if nh <= 0:
+        raise SelectorError(f"selector {selector.name!r} names heads, but the state's KV head count is unknown "
+                            "(captures record it with the model's layout)")
+    if term.heads[-1] >= nh:
+        raise SelectorError(f"selector {selector.name!r} names head {term.heads[-1]}, but the model has {nh} KV "
+                            f"heads (valid: 0..{nh - 1})")
+    if is_quantised(t):
+        if len(term.heads) != nh:
+            raise SelectorError(
+                f"selector {selector.name!r} asks for heads {list(term.heads)} of {nh} in layer "
+                f"{state.layer_ids[il]}'s {type_name(t)} {comp} rows: quantised rows are addressed whole "
+                "(layer x cell x K/V); select every head or none"
+            )
+        return f
+    d = width // nh
+    f[:] = False
+    for h in term.heads:
+        f[h * d:(h + 1) * d] = True
+    return f
 
 
 def select(selector: Selector, state: KVState) -> Selection:
@@ -468,21 +587,44 @@ def select(selector: Selector, state: KVState) -> Selection:
     )
 
 
+def _cell_map(rp, dp) -> np.ndarray | None:
+    """Donor cell of each recipient cell of one part, matched by stored position (None: same order).
+
+    A ring-buffer cache (the sliding-window cache once the prompt outgrows it) may hold the
+    same positions in another cell order; any other difference is refused."""
+    if np.array_equal(rp.positions, dp.positions):
+        return None
+    r_order, d_order = np.argsort(rp.positions, kind="stable"), np.argsort(dp.positions, kind="stable")
+    if not np.array_equal(rp.positions[r_order], dp.positions[d_order]) or \
+            len(np.unique(rp.positions)) != len(rp.positions):
+        first = int(np.flatnonzero(np.asarray(rp.positions) != np.asarray(dp.positions))[0])
+        raise KVFormatError(
+            f"recipient and donor store different positions in the {rp.kind} cache (first at cell {first}: "
+            f"{int(rp.positions[first])} vs {int(dp.positions[first])}); cells do not correspond"
+        )
+    perm = np.empty(len(r_order), dtype=np.int64)
+    perm[r_order] = d_order
+    return perm
+
+
 def apply_subset(recipient: KVState, donor: KVState, selection: Selection) -> KVState:
     """A copy of ``recipient`` whose selected values come from ``donor``.
 
-    Refuses (:class:`KVFormatError`) states of different geometry, different stored
-    positions (cells would not correspond) or a selection made for another geometry.
+    Cells correspond by stored position (a part whose cells hold the same positions in
+    another order is matched position by position). Refuses (:class:`KVFormatError`)
+    states of different geometry, different stored positions or a selection made for
+    another geometry.
     """
     check_same_geometry(recipient, donor, ("recipient", "donor"))
-    if not np.array_equal(recipient.positions, donor.positions):
-        first = int(np.flatnonzero(np.asarray(recipient.positions) != np.asarray(donor.positions))[0])
-        raise KVFormatError(
-            f"recipient and donor store different positions (first at cell {first}: "
-            f"{int(recipient.positions[first])} vs {int(donor.positions[first])}); cells do not correspond"
-        )
+    maps = [_cell_map(rp, dp) for rp, dp in zip(recipient.part_list, donor.part_list)]
     selection.check_matches(recipient)
     out = recipient.copy()
-    for dst, src, m in zip(out.k + out.v, donor.k + donor.v, selection.k + selection.v):
-        np.copyto(dst, src, where=m)
+    lpart = recipient.layer_part
+    for il, perm in enumerate(maps[int(i)] for i in lpart):
+        dk, dv = donor.k[il], donor.v[il]
+        if perm is not None:
+            dk = dk[perm]
+            dv = dv[:, perm] if donor.v_trans else dv[perm]
+        np.copyto(out.k[il], dk, where=selection.k[il])
+        np.copyto(out.v[il], dv, where=selection.v[il])
     return out

@@ -22,6 +22,17 @@ def model():
 
 
 @pytest.fixture(scope="session")
+def gemma():
+    """Gemma 3 270M Q4_K_M on CPU (the second model family: an iSWA memory), session-scoped."""
+    from statelab.models import gemma3_model_path
+    from statelab.runtime import Model
+
+    m = Model(gemma3_model_path(), backend="cpu")
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="session")
 def base_config():
     from statelab.runtime import ContextConfig
 

@@ -289,11 +289,15 @@ def test_trailing_bytes_are_refused():
         KVState.parse(build_blob(0, 1) + b"\1")
 
 
-def test_second_memory_part_is_refused():
-    # an iSWA cache writes two KV parts back to back
+def test_second_memory_part_is_an_iswa_cache_and_a_third_is_refused():
+    # an iSWA cache writes two KV parts back to back: full cache, then sliding-window cache
     blob = build_blob(3, 1, 4)
+    two = blob + blob[8:]
+    st = KVState.parse(two)
+    assert [p.kind for p in st.parts] == ["full", "swa"] and st.n_layer == 2
+    assert st.to_bytes() == two
     with pytest.raises(KVFormatError, match="trailing bytes"):
-        KVState.parse(blob + blob[8:])
+        KVState.parse(two + blob[8:])
 
 
 def test_wrong_magic_is_refused():
@@ -310,7 +314,7 @@ def test_stream_count_other_than_one_is_refused(n_stream):
         KVState.parse(blob)
 
 
-@pytest.mark.parametrize("t,name", [(8, "Q8_0"), (2, "Q4_0"), (30, "BF16"), (99, "unknown")])
+@pytest.mark.parametrize("t,name", [(2, "Q4_0"), (12, "Q4_K"), (99, "unknown")])
 def test_unsupported_types_are_refused(t, name):
     s = make_state(2, 2, 4)
     blob = bytearray(s.to_bytes())
@@ -465,3 +469,101 @@ def test_compare_refuses_different_geometry(other, field):
         compare(a, b)
     with pytest.raises(KVFormatError, match=field):
         compare(a, a, reference=b)
+
+
+# ----------------------------------------------------------------------------- KV types and iSWA parts
+from statelab.kvstate import (  # noqa: E402
+    GGML_BF16,
+    GGML_Q8_0,
+    MemoryLayout,
+    PartLayout,
+    make_iswa_state,
+    values_f64,
+)
+
+
+@pytest.mark.parametrize("k_type,v_type,v_trans", [(GGML_BF16, GGML_BF16, True), (GGML_Q8_0, GGML_F16, True),
+                                                   (GGML_Q8_0, GGML_Q8_0, False), (GGML_F32, GGML_BF16, False)])
+def test_bf16_and_q8_0_rows_round_trip(k_type, v_type, v_trans):
+    s = make_state(5, 2, 64, k_type=k_type, v_type=v_type, v_trans=v_trans, seed=3)
+    blob = s.to_bytes()
+    back = KVState.parse(blob)
+    assert back.to_bytes() == blob
+    assert back.k_types == [k_type] * 2 and back.v_types == [v_type] * 2
+    assert back.n_embd_k_gqa == [64, 64] and back.n_embd_v_gqa == [64, 64]
+    if k_type == GGML_Q8_0:  # a quantised row is stored whole: 2 blocks of 34 bytes per cell
+        assert back.k[0].shape == (5, 68) and back.k_row_sizes == [68, 68]
+
+
+def test_q8_0_values_dequantise_and_compare_counts_block_values():
+    s = make_state(3, 1, 64, k_type=GGML_Q8_0, v_type=GGML_F16, seed=1)
+    vals = values_f64(s.k[0], GGML_Q8_0)
+    assert vals.shape == (3, 64)
+    t = s.copy()
+    t.k[0][1, 2] ^= 1  # one quant of cell 1, block 0
+    d = compare(s, t)
+    assert d["L0.K"].changed_bytes == 1 and d["L0.K"].changed_values == 1
+    t.k[0][2, 0] ^= 0x40  # a block scale: every nonzero value of that block changes
+    nonzero = int(np.count_nonzero(s.k[0][2, 2:34].view(np.int8)))
+    assert compare(s, t)["L0.K"].changed_values == 1 + nonzero and nonzero > 20
+
+
+def test_bf16_values_widen_exactly():
+    s = make_state(2, 1, 4, k_type=GGML_BF16, fill="index")
+    assert np.array_equal(values_f64(s.k[0], GGML_BF16), np.arange(8).reshape(2, 4))
+
+
+def test_quantised_transposed_v_is_refused():
+    s = make_state(2, 1, 32, k_type=GGML_F16, v_type=GGML_F16, v_trans=True)
+    blob = bytearray(s.to_bytes())
+    off = s.component_offsets()["L0.V"][0] - 12
+    struct.pack_into("<i", blob, off, GGML_Q8_0)
+    with pytest.raises(KVFormatError, match="transposed V of quantised type Q8_0"):
+        KVState.parse(bytes(blob))
+
+
+def test_iswa_state_parts_layers_and_round_trip():
+    s = make_iswa_state(10, 6, swa_layers=[0, 1, 3, 4], n_swa=4, n_embd=8)
+    assert [p.kind for p in s.parts] == ["full", "swa"]
+    assert s.parts[0].n_cells == 10 and list(s.parts[1].positions) == [6, 7, 8, 9]
+    assert s.layer_ids == (2, 5, 0, 1, 3, 4) and s.layer_kinds == ["full"] * 2 + ["swa"] * 4
+    assert s.parts[1].n_swa == 4
+    blob = s.to_bytes()
+    assert KVState.parse(blob).to_bytes() == blob
+    names = list(s.component_offsets())
+    assert names[:2] == ["L2.K", "L5.K"] and "L0.K" in names
+    # without the layout the layers are named by part and index
+    bare = KVState.parse(blob)
+    assert bare.layer_ids is None and bare.component_name(2, "V") == "swa.L0.V"
+    # the layout is checked against the blob
+    wrong = MemoryLayout("iswa", (PartLayout("full", (2,)), PartLayout("swa", (0, 1, 3, 4, 5), 4, 1)), 6, "other")
+    with pytest.raises(KVFormatError, match="stores 2 layers, but model other has 1 full layers"):
+        KVState.parse(blob, wrong)
+    one = MemoryLayout("kv", (PartLayout("kv", tuple(range(6))),), 6, "smol")
+    with pytest.raises(KVFormatError, match="trailing bytes"):
+        KVState.parse(blob, one)
+
+
+def test_iswa_edit_changes_only_its_part_and_compare_names_model_layers():
+    s = make_iswa_state(6, 6, swa_layers=[0, 1, 2, 3, 4], n_swa=3)
+    t = s.copy()
+    t.k[1][0, 0] += 1  # stored layer 1 = model layer 0 (first sliding-window layer)
+    d = compare(s, t)
+    assert d.first_differing_layer == 0 and d["L0.K"].changed_values == 1
+    assert sum(c.changed_values for c in d.components.values()) == 1
+    assert KVState.parse(t.to_bytes()).to_bytes() == t.to_bytes()
+
+
+@pytest.mark.parametrize("kind", ["recurrent", "hybrid"])
+def test_recurrent_and_hybrid_memories_are_refused_by_name(kind):
+    layout = MemoryLayout(kind, (), 4, "Mamba Test")
+    with pytest.raises(KVFormatError, match=f"model Mamba Test keeps a {kind} memory"):
+        KVState.parse(build_blob(2, 1, 4), layout)
+
+
+def test_second_part_that_is_not_a_kv_cache_is_trailing_bytes():
+    blob = build_blob(2, 1, 4)
+    # a recurrent part writes n_seq_id 0 per cell (after a cell count of its own)
+    rec = struct.pack("<II", 1, 2) + struct.pack("<iI", 0, 0) * 2
+    with pytest.raises(KVFormatError, match="not a second \\(sliding-window\\) KV cache"):
+        KVState.parse(blob + rec)

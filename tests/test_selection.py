@@ -333,3 +333,101 @@ def test_apply_subset_refuses_mismatches():
         apply_subset(r, r.copy(), sel("ALL", make_state(5, 2, 4)))
     with pytest.raises(SelectorError, match="different geometry"):
         sel("ALL", r) | sel("ALL", make_state(5, 2, 4))
+
+
+# ----------------------------------------------------------------------------- layer kinds and the window
+def test_layer_kind_and_window_terms_on_an_iswa_state():
+    from statelab.kvstate import make_iswa_state
+
+    # 6 layers: full layers 2 and 5; 10 cells, window 4 -> the swa cache holds positions 6..9
+    s = make_iswa_state(10, 6, swa_layers=[0, 1, 3, 4], n_swa=4)
+    swa, full = sel("SWA", s), sel("FULL", s)
+    ids = s.layer_ids
+    assert [ids[i] for i in range(6) if swa.k[i].any()] == [0, 1, 3, 4]
+    assert [ids[i] for i in range(6) if full.k[i].all()] == [2, 5]
+    assert (swa | full).equals(sel("ALL", s))
+    inside, outside = sel("WINDOW", s), sel("OUTSIDE_WINDOW", s)
+    # full layers: positions 6..9 inside, 0..5 outside; swa layers hold only inside cells
+    assert np.array_equal(inside.k[0][:, 0], s.parts[0].positions >= 6)
+    assert np.array_equal(outside.k[0][:, 0], s.parts[0].positions < 6)
+    assert all(inside.k[i].all() and not outside.k[i].any() for i in range(2, 6))
+    assert (inside | outside).equals(sel("ALL", s))
+    # named selectors keep their meaning in model layers: EARLY = b(1/4) = floor(2.0) -> layers 0, 1
+    early = sel("EARLY", s)
+    assert sorted(ids[i] for i in range(6) if early.k[i].any()) == [0, 1]
+    l0 = sel("L0", s)
+    assert [ids[i] for i in range(6) if l0.k[i].any()] == [0]
+
+
+def test_layer_kind_and_window_on_a_model_without_a_window():
+    s = make_state(6, 3, 4)
+    assert sel("FULL", s).equals(sel("ALL", s)) and sel("WINDOW", s).equals(sel("ALL", s))
+    assert sel("SWA", s).selected_bytes == 0 and sel("OUTSIDE_WINDOW", s).selected_bytes == 0
+
+
+def test_multi_part_state_without_layer_map_is_refused(tmp_path):
+    from statelab.kvstate import make_iswa_state
+
+    bare = KVState.parse(make_iswa_state(4, 3, swa_layers=[0, 1], n_swa=2).to_bytes())
+    with pytest.raises(SelectorError, match="no layer map"):
+        sel("EARLY", bare)
+
+
+@pytest.mark.parametrize("key,value,msg", [("layer_kind", "local", "unknown layer_kind"),
+                                           ("window", "near", "unknown window")])
+def test_bad_layer_kind_or_window_is_refused(tmp_path, key, value, msg):
+    write(tmp_path, "bad", f'[[term]]\n{key} = "{value}"\n')
+    with pytest.raises(SelectorError, match=msg):
+        load_selector(tmp_path / "bad.toml")
+
+
+def test_subset_cross_of_an_iswa_state_moves_only_the_selected_part():
+    from statelab.kvstate import compare, make_iswa_state
+
+    r = make_iswa_state(8, 6, swa_layers=[0, 1, 3, 4], n_swa=4, seed=1)
+    d = make_iswa_state(8, 6, swa_layers=[0, 1, 3, 4], n_swa=4, seed=5)
+    mixed = apply_subset(r, d, sel("SWA", r))
+    diff = compare(r, mixed)
+    changed = sorted({c.layer for c in diff.components.values() if c.changed_bytes})
+    assert changed == [0, 1, 3, 4]
+    assert KVState.parse(mixed.to_bytes()).to_bytes() == mixed.to_bytes()
+
+
+def test_quantised_rows_are_selected_whole():
+    from statelab.kvstate import GGML_Q8_0
+
+    s = make_state(4, 2, 64, k_type=GGML_Q8_0, v_type=GGML_Q8_0, v_trans=False)
+    m = sel("L0_K", s)
+    assert m.k[0].shape == (4, 68) and m.k[0].all() and m.k_bytes[0] == 4 * 68
+
+
+def test_heads_term_selects_head_features_and_refuses_part_of_a_quantised_row(tmp_path):
+    from statelab.kvstate import GGML_Q8_0, MemoryLayout, PartLayout
+
+    layout = MemoryLayout("kv", (PartLayout("kv", (0, 1)),), 2, "two-head", n_head_kv=2)
+    s = KVState.parse(make_state(3, 2, 64, k_type=GGML_F16, v_trans=True).to_bytes(), layout)
+    write(tmp_path, "H1", '[[term]]\nheads = [1]\nlayers = [0]\n')
+    m = select(load_selector(tmp_path / "H1.toml"), s)
+    assert m.k[0][:, 32:].all() and not m.k[0][:, :32].any()  # K row: features 32..63
+    assert m.v[0][32:, :].all() and not m.v[0][:32, :].any()  # V^T: feature rows 32..63
+    q = KVState.parse(make_state(3, 2, 64, k_type=GGML_Q8_0, v_type=GGML_Q8_0, v_trans=False).to_bytes(), layout)
+    with pytest.raises(SelectorError, match="quantised rows are addressed whole"):
+        select(load_selector(tmp_path / "H1.toml"), q)
+    write(tmp_path, "H01", '[[term]]\nheads = [0, 1]\n')
+    assert select(load_selector(tmp_path / "H01.toml"), q).equals(sel("ALL", q))
+    write(tmp_path, "H5", '[[term]]\nheads = [5]\n')
+    with pytest.raises(SelectorError, match="has 2 KV heads"):
+        select(load_selector(tmp_path / "H5.toml"), s)
+    with pytest.raises(SelectorError, match="head count is unknown"):
+        select(load_selector(tmp_path / "H1.toml"), make_state(3, 2, 64))
+
+
+def test_subset_cross_matches_cells_by_position_when_a_ring_cache_reorders_them():
+    r = make_state(5, 2, 4, positions=[10, 11, 12, 13, 14], seed=1)
+    d = make_state(5, 2, 4, positions=[13, 14, 10, 11, 12], seed=2)  # same cells, wrapped ring
+    mixed = apply_subset(r, d, sel("ALL", r))
+    assert np.array_equal(mixed.positions, r.positions)
+    assert np.array_equal(mixed.k[1], d.k[1][[2, 3, 4, 0, 1]]) and np.array_equal(mixed.v[0], d.v[0][:, [2, 3, 4, 0, 1]])
+    other = make_state(5, 2, 4, positions=[10, 11, 12, 13, 15])
+    with pytest.raises(KVFormatError, match="different positions"):
+        apply_subset(r, other, sel("ALL", r))

@@ -9,11 +9,12 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from ..errors import ConfigError, DecodeError, ModelError
+from ..kvstate import KV_TYPE_NAMES, is_quantised
 from ..models import ModelInfo, read_model_info, resolve_model
 from .closing import Closing
 from .native import BACKENDS, devices_for_backend, llama, prepare_backend
 
-KV_TYPES = {"f32": 0, "f16": 1}
+KV_TYPES = dict(KV_TYPE_NAMES)  # f32, f16, bf16, q8_0 -> ggml type
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class ContextConfig:
         for name in ("type_k", "type_v"):
             if getattr(self, name) not in KV_TYPES:
                 raise ConfigError(f"{name} must be one of {sorted(KV_TYPES)}, got {getattr(self, name)!r}")
+        if is_quantised(KV_TYPES[self.type_v]) and not self.flash_attn:
+            raise ConfigError(f"a quantised V cache ({self.type_v}) needs flash attention in llama.cpp "
+                              "(--flash-attn); K alone may be quantised without it")
 
     @property
     def threads(self) -> int:
@@ -86,6 +90,20 @@ class Model(Closing):
         self.vocab = L.llama_model_get_vocab(ptr)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_layer = L.llama_model_n_layer(ptr)
+        # the memory kind as llama.cpp decides it, checked against the GGUF-derived metadata
+        kind = ("hybrid" if L.llama_model_is_hybrid(ptr) else "recurrent" if L.llama_model_is_recurrent(ptr)
+                else "iswa" if self.info.memory_kind == "iswa" else "kv")
+        n_swa = int(L.llama_model_n_swa(ptr))
+        if kind != self.info.memory_kind or (kind == "iswa" and n_swa != self.info.n_swa):
+            self.close()
+            raise ModelError(f"{self.path.name}: llama.cpp keeps a {kind} memory (window {n_swa}), the GGUF "
+                             f"metadata suggests {self.info.memory_kind} (window {self.info.n_swa})")
+        self.memory_kind = kind
+
+    @property
+    def memory_layout(self):
+        """The :class:`~statelab.kvstate.MemoryLayout` of this model's sequence states (None: unknown)."""
+        return self.info.memory_layout()
 
     @property
     def sha256(self) -> str:
@@ -399,6 +417,7 @@ def context_identity(model: Model, config: ContextConfig) -> dict:
         "device": model.device_name, "build_key": b.get("build_key"), "build_backend": b.get("backend"),
         "sdist_sha256": b.get("sdist_sha256"), "patch_series_sha256": b.get("patch_series_sha256"),
         "context": config.as_dict(),
+        "memory": None if model.memory_layout is None else model.memory_layout.as_dict(),
     }
 
 
