@@ -213,6 +213,20 @@ def first_differing_cells(a: KVState, b: KVState) -> tuple[np.ndarray, np.ndarra
     return first(a.k, b.k, False), first(a.v, b.v, a.v_trans)
 
 
+def _first_token_difference(ta: np.ndarray, tb: np.ndarray) -> int | None:
+    n = min(len(ta), len(tb))
+    dt = np.flatnonzero(np.asarray(ta[:n]) != np.asarray(tb[:n]))
+    return int(dt[0]) if dt.size else (None if len(ta) == len(tb) else n)
+
+
+def check_comparable(ca: Capture, cb: Capture) -> None:
+    """Refuse, in one line, two captures whose cells cannot correspond (different token counts)."""
+    if ca.n_prompt != cb.n_prompt:
+        raise IdentityError(f"the captures hold {ca.n_prompt} and {cb.n_prompt} tokens (first difference at token "
+                            f"{_first_token_difference(ca.tokens, cb.tokens)}): not the same prompt as tokenized, "
+                            "their cells do not correspond")
+
+
 def diff(a: CaptureLike, b: CaptureLike) -> xr.Dataset:
     """Per-layer K/V differences of two captures (same geometry), as a Dataset over (layer, component):
     changed_bytes, changed_values, max_abs, l2, l2_rel and first_cell/first_position (-1: equal).
@@ -220,6 +234,7 @@ def diff(a: CaptureLike, b: CaptureLike) -> xr.Dataset:
     lowest differing position; -1 when the KV is identical), the earliest differing position in
     any layer, whether tokens and initial logits agree."""
     ca, cb = load(a), load(b)
+    check_comparable(ca, cb)
     d = compare(ca.state, cb.state)
     rec = d.records()
     layers = np.arange(ca.state.n_layer)
@@ -260,13 +275,10 @@ def difference_summary(ca: Capture, cb: Capture, first_cell: np.ndarray | None =
         masked = np.where(first_cell >= 0, first_cell, np.iinfo(np.int64).max)
         lay = int(np.argmin(masked.min(axis=1)))
         out.update(earliest_position=int(pos[masked[lay].min()]), earliest_layer=lay)
-    ta, tb = np.asarray(ca.tokens), np.asarray(cb.tokens)
-    same_tokens = np.array_equal(ta, tb)
-    out["tokens_equal"] = bool(same_tokens)
-    if not same_tokens:
-        n = min(len(ta), len(tb))
-        dt = np.flatnonzero(ta[:n] != tb[:n])
-        out["first_token_difference"] = int(dt[0]) if dt.size else n
+    first_tok = _first_token_difference(ca.tokens, cb.tokens)
+    out["tokens_equal"] = first_tok is None
+    if first_tok is not None:
+        out["first_token_difference"] = first_tok
     la, lb = np.asarray(ca.logits), np.asarray(cb.logits)
     known = bool(np.all(np.isfinite(la)) and np.all(np.isfinite(lb)))
     out["logits_known"] = known
@@ -275,5 +287,5 @@ def difference_summary(ca: Capture, cb: Capture, first_cell: np.ndarray | None =
     return out
 
 
-__all__ = ["CrossResult", "capture", "continue_", "cross", "diff", "difference_summary", "first_differing_cells",
+__all__ = ["CrossResult", "capture", "check_comparable", "continue_", "cross", "diff", "difference_summary", "first_differing_cells",
            "head_dims", "load", "open_capture"]

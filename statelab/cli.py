@@ -220,9 +220,11 @@ def cross_(donor: Path = typer.Argument(..., help="donor capture"),
 @app.command()
 def diff(a: Path = typer.Argument(..., help="capture A"), b: Path = typer.Argument(..., help="capture B")):
     """Per-layer table of differences between two captures' KV states."""
+    from .api import check_comparable, difference_summary
     from .kvstate import compare
 
     ca, cb = _capture_dir(a), _capture_dir(b)
+    check_comparable(ca, cb)
     d = compare(ca.state, cb.state)
     t = Table(title=f"{ca.schedule.name} vs {cb.schedule.name} ({ca.prompt_id})")
     for col in ("layer", "comp", "changed bytes", "max |d|", "L2", "L2 rel"):
@@ -231,8 +233,6 @@ def diff(a: Path = typer.Argument(..., help="capture A"), b: Path = typer.Argume
         t.add_row(str(r["layer"]), r["component"], str(r["changed_bytes"]), f"{r['max_abs']:.6g}",
                   f"{r['l2']:.6g}", f"{r['l2_rel']:.3g}")
     console.print(t)
-    from .api import difference_summary
-
     s = difference_summary(ca, cb)
     where = ("none" if s["first_layer"] < 0 else
              f"layer {s['first_layer']} ({s['first_component']}) at position {s['first_position']}; earliest "
@@ -282,12 +282,14 @@ def export_state(capture_dir: Path = typer.Argument(..., help="a capture folder"
                                           "restore) or whole (llama_state_load_file)"),
                  model: Optional[Path] = typer.Option(None, "--model", "-m", help="the capture's model (whole files "
                                                       "record its architecture; default: the path in the capture)"),
+                 streams: int = typer.Option(1, "--streams", help="KV streams of the receiving context (llama-server "
+                                             "-np N without --kv-unified has N)"),
                  overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing file")):
     """Write a capture as a llama.cpp state file."""
     from .interop import export_state_file
 
     c = _capture_dir(capture_dir)
-    path = export_state_file(c, file, kind, model, overwrite)
+    path = export_state_file(c, file, kind, model, overwrite, streams)
     console.print(f"{path}: {kind} state file, {c.n_prompt} tokens, {path.stat().st_size} bytes", markup=False)
 
 

@@ -47,6 +47,8 @@ WHOLE_FILE_VERSION = 10  # LLAMA_SESSION_VERSION
 KINDS = {"seq": (SEQ_FILE_MAGIC, SEQ_FILE_VERSION), "whole": (WHOLE_FILE_MAGIC, WHOLE_FILE_VERSION)}
 _HEADER = struct.Struct("<III")
 _MAX_ARCH = 256
+LLAMA_TOKEN_NULL = -1
+SERVER_TOKENS_VERSION = 1  # SERVER_TOKENS_STATE_VERSION of tools/server/server-common.cpp
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 
 
@@ -65,6 +67,7 @@ class StateFile:
     arch: str | None  # whole-context files only
     source: str  # file name or a description
     sha256: str  # of the whole file
+    token_packing: str = "plain"  # or llama-server's packed token list
 
     @property
     def format(self) -> str:
@@ -98,13 +101,40 @@ def parse_state_file(data: bytes, source: str = "state file") -> StateFile:
         raise InteropError(f"{source}: token count {n_tok} needs {n_tok * 4} bytes but only {len(data) - off} follow "
                            "the header (truncated file or a wrong count)")
     tokens = np.frombuffer(data, dtype="<i4", count=n_tok, offset=off).astype(np.int32)
+    packing = "plain"
+    if n_tok and tokens[0] == LLAMA_TOKEN_NULL:
+        tokens, packing = unpack_server_tokens(tokens, source), f"llama-server packed v{SERVER_TOKENS_VERSION}"
     off += 4 * n_tok
     arch = None
     if kind == "whole":
         arch, off = _read_arch(data, off, source)
     if off == len(data):
         raise InteropError(f"{source}: the file ends after the tokens: no state follows (truncated file)")
-    return StateFile(kind, version, tokens, bytes(data[off:]), arch, source, hashlib.sha256(data).hexdigest())
+    return StateFile(kind, version, tokens, bytes(data[off:]), arch, source, hashlib.sha256(data).hexdigest(),
+                     packing)
+
+
+def unpack_server_tokens(words: np.ndarray, source: str) -> np.ndarray:
+    """The tokens of llama-server's packed list (``server_tokens::serialize``): i32 -1, u32 version,
+    u32 n and n tokens, u32 n_media and media start indices, media chunks, zero padding."""
+    w = np.asarray(words, dtype="<i4").view("<u4")
+
+    def bad(why: str):
+        return InteropError(f"{source}: llama-server token list: {why}")
+
+    if len(w) < 3:
+        raise bad("truncated header")
+    if w[1] != SERVER_TOKENS_VERSION:
+        raise bad(f"version {int(w[1])}, the pinned llama-server writes {SERVER_TOKENS_VERSION}")
+    n = int(w[2])
+    if 3 + n + 1 > len(w):
+        raise bad(f"{n} tokens do not fit its {len(w)} words")
+    n_media = int(w[3 + n])
+    if n_media:
+        raise bad(f"it holds {n_media} media chunk(s) (a multimodal prompt); only text slots can be imported")
+    if np.any(w[4 + n:]):
+        raise bad(f"{len(w) - 4 - n} words of trailing data")
+    return w[3:3 + n].view("<i4").astype(np.int32)
 
 
 def _read_arch(data: bytes, off: int, source: str) -> tuple[str, int]:
@@ -129,8 +159,7 @@ def read_state_file(path: str | os.PathLike) -> StateFile:
 
 def whole_stream(blob: bytes, arch: str) -> bytes:
     """The whole-context stream (``llama_state_get_data``) of a single-sequence capture blob."""
-    a = arch.encode("ascii")
-    return struct.pack("<I", len(a)) + a + _memory_part(blob)
+    return encode_state_file("whole", [], blob, arch)[_HEADER.size:]
 
 
 def split_whole_stream(data: bytes, source: str) -> tuple[str, bytes]:
@@ -148,26 +177,54 @@ def _memory_part(blob: bytes) -> bytes:
     return bytes(blob[8:])
 
 
-def encode_state_file(kind: str, tokens, blob: bytes, arch: str | None = None) -> bytes:
-    """The bytes of a llama.cpp state file holding ``tokens`` and a capture's sequence-0 blob."""
+def encode_state_file(kind: str, tokens, blob: bytes, arch: str | None = None, n_stream: int = 1) -> bytes:
+    """The bytes of a llama.cpp state file holding ``tokens`` and a capture's sequence-0 blob.
+    ``n_stream``: the KV streams of the receiving context (a non-unified cache has one per
+    sequence, and llama.cpp restores only a file with as many); the cells go in the first."""
     if kind not in KINDS:
         raise InteropError(f"unknown state file kind {kind!r}: use 'seq' (llama_state_seq_save_file, llama-server "
                            "slots) or 'whole' (llama_state_save_file)")
+    if not 1 <= int(n_stream) <= 256:
+        raise InteropError(f"n_stream must be 1..256, got {n_stream}")
     toks = np.ascontiguousarray(tokens, dtype="<i4")
     magic, version = KINDS[kind]
     head = _HEADER.pack(magic, version, len(toks)) + toks.tobytes()
+    memory = _memory_part(blob)
+    if n_stream > 1:
+        memory = struct.pack("<I", n_stream) + memory[4:] + bytes(4 * (n_stream - 1))
     if kind == "whole":
         if not arch:
             raise InteropError("a whole-context state file records the model architecture: give the model")
-        return head + whole_stream(blob, arch)
-    return head + _memory_part(blob)
+        a = arch.encode("ascii")
+        return head + struct.pack("<I", len(a)) + a + memory
+    return head + memory
 
 
 # --------------------------------------------------------------------------- import
 
 
+def single_stream(memory: bytes, source: str) -> tuple[bytes, int, int]:
+    """A memory part of a cache with several streams (a non-unified KV cache: one stream per
+    sequence) whose cells all lie in one stream, as a single-stream memory part.
+    Returns (memory, n_stream, index of the non-empty stream)."""
+    n_stream = _u32(memory, 0, "n_stream", source)
+    if n_stream <= 1:
+        return memory, n_stream, 0
+    off = 4
+    for s in range(n_stream):
+        if _u32(memory, off, f"cell count of stream {s}", source):
+            tail = memory[len(memory) - 4 * (n_stream - 1 - s):]
+            if len(tail) != 4 * (n_stream - 1 - s) or any(tail):
+                raise InteropError(f"{source}: the state's cells lie in more than one of its {n_stream} KV streams; "
+                                   "import a file of one sequence")
+            return struct.pack("<I", 1) + memory[off:len(memory) - len(tail)], n_stream, s
+        off += 4
+    return struct.pack("<II", 1, 0), n_stream, 0
+
+
 def sequence_zero_state(memory: bytes, source: str) -> KVState:
     """Parse a memory part as one sequence and rewrite its cells to sequence 0 (a capture's form)."""
+    memory = single_stream(memory, source)[0]
     try:
         st = KVState.parse(struct.pack("<Ii", SEQ_STATE_MAGIC, -1) + memory)
     except KVFormatError as e:
@@ -319,7 +376,8 @@ def import_incoming(inc: Incoming, model, config, *, prompt=None, logits: str = 
 
 def incoming_from_file(sf: StateFile) -> Incoming:
     return Incoming(sf.tokens, sf.memory, sf.arch, sf.source,
-                    {"format": sf.format, "file": Path(sf.source).name, "sha256": sf.sha256})
+                    {"format": sf.format, "file": Path(sf.source).name, "sha256": sf.sha256,
+                     "tokens": sf.token_packing, "n_stream": single_stream(sf.memory, sf.source)[1]})
 
 
 def import_state_file(path, model, config, **kw) -> Capture:
@@ -343,7 +401,8 @@ def model_arch(capture: Capture, model_path=None) -> str:
     return info.architecture
 
 
-def export_state_file(capture: Capture, path, kind: str = "seq", model_path=None, overwrite: bool = False) -> Path:
+def export_state_file(capture: Capture, path, kind: str = "seq", model_path=None, overwrite: bool = False,
+                      n_stream: int = 1) -> Path:
     """``statelab export-state``: write a capture as a llama.cpp state file (atomically)."""
     from .paths import atomic_write_bytes
 
@@ -351,7 +410,7 @@ def export_state_file(capture: Capture, path, kind: str = "seq", model_path=None
     if p.exists() and not (overwrite and p.is_file()):
         raise InteropError(f"output already exists: {p}" + ("" if p.is_file() else " (not a file)"))
     arch = model_arch(capture, model_path) if kind == "whole" else None
-    data = encode_state_file(kind, capture.tokens, capture.blob, arch)
+    data = encode_state_file(kind, capture.tokens, capture.blob, arch, n_stream)
     return atomic_write_bytes(p, data)
 
 

@@ -49,6 +49,38 @@ def test_a_slot_saved_as_another_sequence_becomes_sequence_zero():
     assert st.to_bytes() == _blob(seq_id=0)
 
 
+def _server_packed(tokens, media=0):
+    # server_tokens::serialize: i32 -1, u32 version 1, u32 n + tokens, u32 n_media + keys, chunks
+    words = [-1, 1, len(tokens), *tokens, media] + ([7] if media else [])
+    return np.asarray(words, dtype=np.int32)
+
+
+def test_llama_server_packed_token_list_is_unpacked():
+    blob = _blob()
+    packed = _server_packed([11, 12, 13, 14, 15])
+    sf = parse_state_file(encode_state_file("seq", packed, blob))
+    assert sf.tokens.tolist() == [11, 12, 13, 14, 15] and sf.token_packing.startswith("llama-server packed")
+    with pytest.raises(InteropError, match="media chunk"):
+        parse_state_file(encode_state_file("seq", _server_packed([1, 2, 3, 4, 5], media=1), blob))
+    bad = _server_packed([1, 2, 3, 4, 5])
+    bad[1] = 9
+    with pytest.raises(InteropError, match="version 9"):
+        parse_state_file(encode_state_file("seq", bad, blob))
+
+
+def test_a_file_of_a_multi_stream_cache_becomes_single_stream():
+    # a non-unified KV cache (llama-server -np 4 without --kv-unified) writes one stream per sequence
+    blob = _blob(seq_id=2)  # sequence 2 lives in stream 2 of 4: streams 0, 1 and 3 are empty
+    memory = struct.pack("<III", 4, 0, 0) + blob[12:] + bytes(4)
+    assert sequence_zero_state(memory, "x").to_bytes() == _blob(seq_id=0)
+    ours = parse_state_file(encode_state_file("seq", np.arange(5), _blob(), n_stream=4)).memory
+    assert ours == struct.pack("<I", 4) + _blob()[12:] + bytes(12)  # export: the cells in the first stream
+    mem = bytearray(memory)
+    mem[-4:] = struct.pack("<I", 3)  # a second stream claims cells
+    with pytest.raises(InteropError, match="more than one"):
+        sequence_zero_state(bytes(mem), "x")
+
+
 def test_a_state_of_two_sequences_is_refused():
     st = make_state(4, 2, 8)
     st.seq_ids = (np.array([0], np.int32), np.array([0, 1], np.int32), np.array([1], np.int32), np.array([1], np.int32))
@@ -112,9 +144,10 @@ def _save_as_slot(model, capture, path, slot=2, whole=False):
     from statelab.runtime import Context
     from statelab.runtime import statefile
 
-    cfg = config_of(capture).with_(n_seq_max=1 if whole else 4)
+    cfg = config_of(capture).with_(n_seq_max=1 if whole else 4)  # 4 sequences: 4 KV streams (not unified)
+    blob = capture.blob if whole else capture.blob[:8] + struct.pack("<I", 4) + capture.blob[12:] + bytes(12)
     with Context(model, cfg) as ctx:
-        ctx.state_set(capture.blob, seq_id=0 if whole else slot)
+        ctx.state_set(blob, seq_id=0 if whole else slot)
         if whole:
             statefile.save_file(ctx, path, capture.tokens)
         else:
@@ -156,8 +189,8 @@ def test_whole_context_file_from_the_library_imports(model, base_config, arms, t
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("kind", ["seq", "whole"])
-def test_exported_file_restores_in_the_real_library_and_continues_identically(model, arms, tmp_path, kind):
+@pytest.mark.parametrize("kind, streams", [("seq", 1), ("whole", 1), ("seq", 4)])
+def test_exported_file_restores_in_the_real_library_and_continues_identically(model, arms, tmp_path, kind, streams):
     from statelab.interop import export_state_file
     from statelab.intervene import config_of
     from statelab.receiver import continue_greedy
@@ -166,13 +199,16 @@ def test_exported_file_restores_in_the_real_library_and_continues_identically(mo
 
     _p, got = arms
     cap_a, nat_a = got["A"]
-    f = export_state_file(cap_a, tmp_path / f"a.{kind}", kind)
-    with Context(model, config_of(cap_a)) as ctx:
-        toks = statefile.seq_load_file(ctx, f) if kind == "seq" else statefile.load_file(ctx, f)
+    f = export_state_file(cap_a, tmp_path / f"a.{kind}", kind, n_stream=streams)
+    seq = streams - 1  # with 4 streams (a 4-slot server without a unified cache): restore into slot 3
+    with Context(model, config_of(cap_a).with_(n_seq_max=streams)) as ctx:
+        toks = statefile.seq_load_file(ctx, f, seq) if kind == "seq" else statefile.load_file(ctx, f)
         assert toks.tolist() == cap_a.tokens.tolist()
-        assert ctx.state_get() == cap_a.blob
-        ep = continue_greedy(ctx, cap_a.logits, cap_a.n_prompt, CAP)
-    assert ep.same(nat_a)
+        # what the library holds now, read back from the slot (4 streams: only slot 3's is non-empty)
+        assert sequence_zero_state(ctx.state_get(seq)[8:], "restored").to_bytes() == cap_a.blob
+        if seq == 0:  # the receiver decodes sequence 0: continue in the context the file was loaded into
+            ep = continue_greedy(ctx, cap_a.logits, cap_a.n_prompt, CAP)
+            assert ep.same(nat_a)
 
 
 @pytest.mark.model
@@ -194,9 +230,9 @@ def test_cli_import_diff_and_export(cli, model, arms, tmp_path):
     L, pos = ds.attrs["first_layer"], ds.attrs["first_position"]
     assert L >= 0 and pos >= 0  # A and R differ on CPU
     assert f"first difference: layer {L} (" in r.stdout and f"at position {pos};" in r.stdout
-    r = cli("export-state", tmp_path / "imported", tmp_path / "back.bin")
+    r = cli("export-state", tmp_path / "imported", tmp_path / "back.bin", "--streams", "4")
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "back.bin").read_bytes() == server.read_bytes()  # the slot file, byte for byte
+    assert (tmp_path / "back.bin").read_bytes() == server.read_bytes()  # slot 0 of 4 streams, byte for byte
 
 
 def _bad_files(model, cap, tmp_path):

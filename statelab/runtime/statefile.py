@@ -77,7 +77,7 @@ def state_get_whole(ctx) -> bytes:
 
 def make_llama_state(input_ids: np.ndarray, scores: np.ndarray, n_tokens: int, data: bytes, seed: int):
     """A ``llama_cpp.LlamaState`` (the object ``Llama.save_state`` returns and ``load_state`` takes)."""
-    return llama().llama.LlamaState(input_ids=input_ids, scores=scores, n_tokens=int(n_tokens),
+    return llama().LlamaState(input_ids=input_ids, scores=scores, n_tokens=int(n_tokens),
                                     llama_state=bytes(data), llama_state_size=len(data), seed=int(seed))
 
 
