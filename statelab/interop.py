@@ -153,7 +153,7 @@ def _read_arch(data: bytes, off: int, source: str) -> tuple[str, int]:
 def read_state_file(path: str | os.PathLike) -> StateFile:
     p = Path(path)
     if not p.is_file():
-        raise InteropError(f"state file not found: {p}")
+        raise InteropError(f"state file not found (or not a file): {p}")
     return parse_state_file(p.read_bytes(), str(p))
 
 
