@@ -369,7 +369,7 @@ def import_incoming(inc: Incoming, model, config, *, prompt=None, logits: str = 
     else:
         pid = f"imported:{Path(inc.source).name}"
         psha = hashlib.sha256(model.detokenize(tokens).encode()).hexdigest()
-    sched = Schedule("imported", (REST,), config.n_ubatch, config.n_batch)
+    sched = Schedule("Imported", (REST,), config.n_ubatch, config.n_batch)  # capitalised: rich markup keeps "[Imported]"
     return Capture(pid, psha, tokens, lg, blob, sched, identity,
                    {"origin": "imported", "prompt_text": "given" if prompt is not None else "unknown (detokenized)"})
 
