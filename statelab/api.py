@@ -53,13 +53,27 @@ def head_dims(capture: Capture, model_path=None) -> tuple[int, int]:
     return info.head_dim_k, info.head_dim_v
 
 
-def _cells_heads(a: np.ndarray, trans: bool, head_dim: int) -> np.ndarray:
-    """One layer's K or V values as (cell, kv_head, head_dim), whatever their stored order."""
+def layer_positions(st: KVState, i: int) -> np.ndarray:
+    """The positions of the cells layer ``i`` stores (a sliding-window cache holds fewer)."""
+    f = getattr(st, "layer_positions", None)
+    return np.asarray(st.positions if f is None else f(i), dtype=np.int64)
+
+
+def _cells_heads(st: KVState, i: int, a: np.ndarray, trans: bool, head_dim: int) -> np.ndarray:
+    """One layer's K or V values as (cell, kv_head, head_dim) over all the state's cells,
+    whatever their stored order; cells the layer does not store are NaN."""
+    if a.dtype.kind != "f":
+        raise ConfigError(f"layer {i} stores quantised KV rows ({a.dtype}): no per-value view")
     cells_major = a.T if trans else a
     n, width = cells_major.shape
     if width % head_dim:
         raise ConfigError(f"a K/V width of {width} is not a multiple of head_dim {head_dim}")
-    return np.ascontiguousarray(cells_major).reshape(n, width // head_dim, head_dim)
+    vals = np.ascontiguousarray(cells_major).reshape(n, width // head_dim, head_dim)
+    if n == st.n_cells:
+        return vals
+    out = np.full((st.n_cells,) + vals.shape[1:], np.nan, dtype=vals.dtype)
+    out[np.searchsorted(np.asarray(st.positions), layer_positions(st, i))] = vals
+    return out
 
 
 def open_capture(path: CaptureLike, model_path=None, head_dim: int | None = None) -> xr.Dataset:
@@ -75,8 +89,8 @@ def open_capture(path: CaptureLike, model_path=None, head_dim: int | None = None
     cap = load(path)
     st = cap.state
     hk, hv = (head_dim, head_dim) if head_dim else head_dims(cap, model_path)
-    k = np.stack([_cells_heads(a, False, hk) for a in st.k])
-    v = np.stack([_cells_heads(a, st.v_trans, hv) for a in st.v])
+    k = np.stack([_cells_heads(st, i, a, False, hk) for i, a in enumerate(st.k)])
+    v = np.stack([_cells_heads(st, i, a, st.v_trans, hv) for i, a in enumerate(st.v)])
     coords = {"layer": np.arange(st.n_layer), "cell": np.arange(st.n_cells),
               "position": ("cell", np.asarray(st.positions, np.int32)),
               "token": ("cell", np.asarray(cap.tokens, np.int32))}
@@ -245,10 +259,8 @@ def diff(a: CaptureLike, b: CaptureLike) -> xr.Dataset:
     for r_ in rec:
         for c in cols:
             table[c][r_["layer"], comps.index(r_["component"])] = r_[c]
-    fk, fv = first_differing_cells(ca.state, cb.state)
-    first_cell = np.stack([fk, fv], axis=1)
-    pos = np.asarray(ca.state.positions, np.int64)
-    first_pos = np.where(first_cell >= 0, pos[np.maximum(first_cell, 0)], -1)
+    first_cell = np.stack(first_differing_cells(ca.state, cb.state), axis=1)
+    first_pos = _cell_positions(ca.state, first_cell)
     summary = difference_summary(ca, cb, first_cell)
     ds = xr.Dataset({c: (("layer", "component"), v) for c, v in table.items()},
                     coords={"layer": layers, "component": comps})
@@ -259,22 +271,32 @@ def diff(a: CaptureLike, b: CaptureLike) -> xr.Dataset:
     return ds
 
 
+def _cell_positions(st: KVState, cells: np.ndarray) -> np.ndarray:
+    """(layer, component) cell indices -> the positions those cells hold (-1 stays -1)."""
+    out = np.full(cells.shape, -1, dtype=np.int64)
+    for i in np.flatnonzero((cells >= 0).any(axis=1)):
+        pos = layer_positions(st, int(i))
+        ok = cells[i] >= 0
+        out[i, ok] = pos[cells[i, ok]]
+    return out
+
+
 def difference_summary(ca: Capture, cb: Capture, first_cell: np.ndarray | None = None) -> dict:
     """First differing layer and position, earliest differing position, tokens and logits agreement."""
     if first_cell is None:
         first_cell = np.stack(first_differing_cells(ca.state, cb.state), axis=1)
-    pos = np.asarray(ca.state.positions, np.int64)
-    differ = np.flatnonzero((first_cell >= 0).any(axis=1))
+    first_pos = _cell_positions(ca.state, first_cell)
+    differ = np.flatnonzero((first_pos >= 0).any(axis=1))
     out = {"first_layer": -1, "first_position": -1, "first_component": "", "earliest_position": -1,
            "earliest_layer": -1}
     if differ.size:
+        big = np.iinfo(np.int64).max
+        masked = np.where(first_pos >= 0, first_pos, big)
         L = int(differ[0])
-        cells = first_cell[L]
-        j = int(np.argmin(np.where(cells >= 0, cells, np.iinfo(np.int64).max)))
-        out.update(first_layer=L, first_position=int(pos[cells[j]]), first_component="KV"[j])
-        masked = np.where(first_cell >= 0, first_cell, np.iinfo(np.int64).max)
+        j = int(np.argmin(masked[L]))
+        out.update(first_layer=L, first_position=int(masked[L, j]), first_component="KV"[j])
         lay = int(np.argmin(masked.min(axis=1)))
-        out.update(earliest_position=int(pos[masked[lay].min()]), earliest_layer=lay)
+        out.update(earliest_position=int(masked[lay].min()), earliest_layer=lay)
     first_tok = _first_token_difference(ca.tokens, cb.tokens)
     out["tokens_equal"] = first_tok is None
     if first_tok is not None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -170,11 +170,17 @@ def split_whole_stream(data: bytes, source: str) -> tuple[str, bytes]:
     return arch, bytes(data[off:])
 
 
-def _memory_part(blob: bytes) -> bytes:
+def _memory_part(blob: bytes, n_stream: int = 1) -> bytes:
+    """The capture blob without its sequence header; with ``n_stream`` > 1 as a cache of that
+    many streams whose first holds the cells."""
     st = KVState.parse(blob)  # a capture's blob is checked before it is handed on
     if st.seq_id != 0:
         raise InteropError(f"the capture's state is for sequence {st.seq_id}, expected 0")
-    return bytes(blob[8:])
+    if n_stream == 1:
+        return bytes(blob[8:])
+    if len(getattr(st, "parts", None) or [st]) != 1:
+        raise InteropError("a state of several caches (iSWA) is written with one stream only")
+    return struct.pack("<I", n_stream) + blob[12:] + bytes(4 * (n_stream - 1))
 
 
 def encode_state_file(kind: str, tokens, blob: bytes, arch: str | None = None, n_stream: int = 1) -> bytes:
@@ -189,9 +195,7 @@ def encode_state_file(kind: str, tokens, blob: bytes, arch: str | None = None, n
     toks = np.ascontiguousarray(tokens, dtype="<i4")
     magic, version = KINDS[kind]
     head = _HEADER.pack(magic, version, len(toks)) + toks.tobytes()
-    memory = _memory_part(blob)
-    if n_stream > 1:
-        memory = struct.pack("<I", n_stream) + memory[4:] + bytes(4 * (n_stream - 1))
+    memory = _memory_part(blob, int(n_stream))
     if kind == "whole":
         if not arch:
             raise InteropError("a whole-context state file records the model architecture: give the model")
@@ -229,15 +233,20 @@ def sequence_zero_state(memory: bytes, source: str) -> KVState:
         st = KVState.parse(struct.pack("<Ii", SEQ_STATE_MAGIC, -1) + memory)
     except KVFormatError as e:
         raise InteropError(f"{source}: the state does not parse: {e}") from None
-    counts = np.fromiter((len(s) for s in st.seq_ids), dtype=np.int64, count=st.n_cells)
-    ids = np.concatenate(st.seq_ids) if st.n_cells else np.zeros(0, np.int32)
-    if st.n_cells and (np.any(counts != 1) or np.unique(ids).size != 1):
+    parts = getattr(st, "parts", None) or [st]  # a codec that knows cache parts (iSWA) lists each
+    seqs = [p.seq_ids for p in parts if len(p.seq_ids)]
+    counts = np.concatenate([np.fromiter((len(x) for x in s), dtype=np.int64, count=len(s)) for s in seqs]) \
+        if seqs else np.zeros(0, np.int64)
+    ids = np.concatenate([np.concatenate(s) for s in seqs]) if seqs else np.zeros(0, np.int32)
+    if np.any(counts != 1) or np.unique(ids).size > 1:
         raise InteropError(f"{source}: the state holds the cells of sequences {sorted(set(ids.tolist()))} "
                            f"(shared cells: {int(np.count_nonzero(counts != 1))}); save one sequence with "
                            "llama_state_seq_save_file and import that")
     out = st.copy()
     out.seq_id = 0
     out.seq_ids = tuple(np.zeros((st.n_cells, 1), dtype=np.int32))
+    if getattr(out, "parts", None):
+        out.parts = [replace(p, seq_ids=tuple(np.zeros((p.n_cells, 1), dtype=np.int32))) for p in out.parts]
     return out
 
 
