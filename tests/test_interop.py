@@ -230,6 +230,11 @@ def test_cli_import_diff_and_export(cli, model, arms, tmp_path):
     L, pos = ds.attrs["first_layer"], ds.attrs["first_position"]
     assert L >= 0 and pos >= 0  # A and R differ on CPU
     assert f"first difference: layer {L} (" in r.stdout and f"at position {pos};" in r.stdout
+    # the imported server state crosses into the local path (its backend is recorded as unknown)
+    one_line_error(cli("cross", tmp_path / "imported", local, "--cap", "4"), "--allow-backend")
+    r = cli("cross", tmp_path / "imported", local, "--cap", "4", "--allow-backend", "--json",
+            env={"STATELAB_THREADS": "1"})
+    assert r.returncode == 0 and '"length": 4' in r.stdout, r.stderr
     r = cli("export-state", tmp_path / "imported", tmp_path / "back.bin", "--streams", "4")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "back.bin").read_bytes() == server.read_bytes()  # slot 0 of 4 streams, byte for byte
