@@ -259,25 +259,30 @@ def _kv_type_name(t: int) -> str:
     return names[t]
 
 
-def check_against_model(tokens: np.ndarray, st: KVState, model, source: str, arch: str | None = None) -> None:
-    """Tokens, cells and geometry of an incoming state against the model it is meant for."""
+def check_tokens(tokens: np.ndarray, model, source: str, arch: str | None = None) -> None:
+    """What the file says before its state is read: the architecture and the tokens' vocabulary."""
     info = model.info
     if arch is not None and arch != info.architecture:
         raise IdentityError(f"{source}: saved by a {arch!r} model, this model is {info.architecture!r}")
-    n = len(tokens)
-    if n != st.n_cells:
-        raise InteropError(f"{source}: the file lists {n} tokens but its state holds {st.n_cells} cells")
-    if n == 0:
-        raise InteropError(f"{source}: the state is empty (no tokens, no cells)")
-    if not np.array_equal(st.positions, np.arange(n, dtype=np.int32)):
-        bad = int(np.flatnonzero(st.positions != np.arange(n))[0])
-        raise InteropError(f"{source}: cell {bad} holds position {int(st.positions[bad])}, expected {bad} "
-                           "(cells must hold positions 0..n-1, one per token)")
+    if len(tokens) == 0:
+        raise InteropError(f"{source}: the file lists no tokens (an empty state)")
     out = np.flatnonzero((tokens < 0) | (tokens >= model.n_vocab))
     if out.size:
         raise IdentityError(f"{source}: token {int(tokens[out[0]])} at index {int(out[0])} is outside this model's "
                             f"vocabulary of {model.n_vocab} ({out.size} such tokens): saved with another model's "
                             "vocabulary")
+
+
+def check_against_model(tokens: np.ndarray, st: KVState, model, source: str) -> None:
+    """The parsed state's cells and geometry against the file's tokens and the model."""
+    info = model.info
+    n = len(tokens)
+    if n != st.n_cells:
+        raise InteropError(f"{source}: the file lists {n} tokens but its state holds {st.n_cells} cells")
+    if not np.array_equal(st.positions, np.arange(n, dtype=np.int32)):
+        bad = int(np.flatnonzero(st.positions != np.arange(n))[0])
+        raise InteropError(f"{source}: cell {bad} holds position {int(st.positions[bad])}, expected {bad} "
+                           "(cells must hold positions 0..n-1, one per token)")
     if st.n_layer != info.n_layer:
         raise IdentityError(f"{source}: the state has {st.n_layer} layers, the model has {info.n_layer}: "
                             "saved with another model")
@@ -332,9 +337,10 @@ def import_incoming(inc: Incoming, model, config, *, prompt=None, logits: str = 
         raise InteropError(f"logits must be one of {', '.join(LOGITS_MODES)}, got {logits!r}")
     if logits == "state" and inc.logits is None:
         raise InteropError(f"{inc.source}: the source carries no logits; use logits='recompute' or 'none'")
-    st = sequence_zero_state(inc.memory, inc.source)
     tokens = inc.tokens
-    check_against_model(tokens, st, model, inc.source, inc.arch)
+    check_tokens(tokens, model, inc.source, inc.arch)
+    st = sequence_zero_state(inc.memory, inc.source)
+    check_against_model(tokens, st, model, inc.source)
     if prompt is not None:
         check_prompt_tokens(model, prompt, tokens, inc.source)
     kt, vt = {int(t) for t in st.k_types}, {int(t) for t in st.v_types}

