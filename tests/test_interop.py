@@ -138,8 +138,10 @@ CAP = 24
 
 
 def _save_as_slot(model, capture, path, slot=2, whole=False):
-    """What llama-server does on POST /slots/{slot}?action=save: llama_state_seq_save_file of
-    sequence `slot` (here: the capture restored into sequence `slot` of a 4-sequence context)."""
+    """What the pinned llama-server does on POST /slots/{slot}?action=save with 4 slots and no
+    unified KV: llama_state_seq_save_file of sequence `slot`, its tokens packed by
+    server_tokens::serialize (here: the capture restored into sequence `slot` of a 4-sequence
+    context)."""
     from statelab.intervene import config_of
     from statelab.runtime import Context
     from statelab.runtime import statefile
@@ -151,7 +153,7 @@ def _save_as_slot(model, capture, path, slot=2, whole=False):
         if whole:
             statefile.save_file(ctx, path, capture.tokens)
         else:
-            statefile.seq_save_file(ctx, path, capture.tokens, seq_id=slot)
+            statefile.seq_save_file(ctx, path, _server_packed(capture.tokens.tolist()), seq_id=slot)
 
 
 @pytest.mark.model
@@ -165,6 +167,8 @@ def test_library_slot_file_imports_byte_for_byte_with_recomputed_logits(model, b
     _save_as_slot(model, cap_r, f, slot=2)
     assert f.read_bytes()[:4] == struct.pack("<I", SEQ_FILE_MAGIC)
     imp = import_state_file(f, model, base_config, prompt=p, logits="recompute", source_backend="cpu")
+    assert imp.identity["imported"]["tokens"].startswith("llama-server packed")
+    assert imp.identity["imported"]["n_stream"] == 4
     assert imp.blob == cap_r.blob  # slot 2's cells became sequence 0's, nothing else changed
     assert imp.prompt_sha256 == p.sha256 and imp.identity["origin"] == "imported"
     assert imp.identity["logits"]["source"] == "recomputed"
@@ -237,7 +241,9 @@ def test_cli_import_diff_and_export(cli, model, arms, tmp_path):
     assert r.returncode == 0 and '"length": 4' in r.stdout, r.stderr
     r = cli("export-state", tmp_path / "imported", tmp_path / "back.bin", "--streams", "4")
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "back.bin").read_bytes() == server.read_bytes()  # slot 0 of 4 streams, byte for byte
+    back, orig = (tmp_path / "back.bin").read_bytes(), server.read_bytes()
+    n = got["R"][0].n_prompt  # the export lists tokens plainly (the server reads both), the rest is the same
+    assert back[12 + 4 * n:] == orig[12 + 4 * (n + 4):] and back[12:12 + 4 * n] == orig[24:24 + 4 * n]
 
 
 def _bad_files(model, cap, tmp_path):
