@@ -328,64 +328,88 @@ def recompute_last_logits(ctx, tokens: np.ndarray) -> np.ndarray:
     return ctx.logits(-1)
 
 
+def _source_logits(inc: Incoming, logits: str, n_vocab: int) -> np.ndarray | None:
+    """The logits the capture takes without a recipient ('state', 'none'); None for 'recompute'."""
+    if logits not in LOGITS_MODES:
+        raise InteropError(f"logits must be one of {', '.join(LOGITS_MODES)}, got {logits!r}")
+    if logits == "none":
+        return np.full(n_vocab, np.nan, dtype=np.float32)
+    if logits == "recompute":
+        return None
+    lg = None if inc.logits is None else np.asarray(inc.logits, dtype=np.float32)
+    if lg is None or lg.shape != (n_vocab,) or not np.all(np.isfinite(lg)):
+        raise InteropError(f"{inc.source}: the source carries no usable logits (a file holds none; a Llama made "
+                           "without logits_all=True keeps none): use logits='recompute' or 'none'")
+    return lg
+
+
+def _recipient_config(st: KVState, config, n: int, source: str):
+    """The recipient context: the caller's configuration with the state's KV types and room for it."""
+    kt, vt = {int(t) for t in st.k_types}, {int(t) for t in st.v_types}
+    if len(kt) != 1 or len(vt) != 1:
+        raise InteropError(f"{source}: layers store different KV types; a context has one K and one V type")
+    return config.with_(type_k=_kv_type_name(kt.pop()), type_v=_kv_type_name(vt.pop()), n_ctx=max(config.n_ctx, n + 1))
+
+
+def restore_in_recipient(model, config, blob: bytes, tokens: np.ndarray, source: str, recompute: bool):
+    """The real library takes the state and reads it back byte for byte; with ``recompute`` the
+    last token's logits are re-evaluated there (:func:`recompute_last_logits`)."""
+    from .runtime import Context
+
+    n = len(tokens)
+    with Context(model, config) as ctx:
+        ctx.state_set(blob)
+        if ctx.state_get() != blob:
+            raise InteropError(f"{source}: the state read back from llama.cpp differs from the imported one")
+        if ctx.seq_pos_max(0) != n - 1:
+            raise InteropError(f"{source}: restored state ends at position {ctx.seq_pos_max(0)}, expected {n - 1}")
+        return recompute_last_logits(ctx, tokens) if recompute else None
+
+
+_LOGITS_HOW = {
+    "none": {"source": "absent", "note": "the file holds no logits; import again with logits recomputed to continue"},
+    "recompute": {"source": "recomputed", "how": "the imported cells 0..n-2 restored in a fresh recipient context "
+                  "(see 'recipient'), the last token decoded alone at position n-1 (one-row decode)"},
+    "state": {"source": "carried by the source state (the last row of its scores)"},
+}
+_UNKNOWN = ["backend", "device", "build", "schedule (prompt submissions and ubatch)", "context parameters"]
+
+
+def imported_identity(inc: Incoming, model, config, prompt, logits: str, source_backend: str | None) -> dict:
+    """Identities of an imported capture: what the file says, what was checked, the rest unknown."""
+    from .runtime import context_identity
+
+    recipient = context_identity(model, config)
+    checked = "tokens within the vocabulary, KV geometry" + (", architecture" if inc.arch else "") + \
+        (", prompt tokenization" if prompt is not None else "") + "; the file records no model hash"
+    return dict(recipient, origin="imported", backend=source_backend or "unknown", device="unknown",
+                build_key="unknown", build_backend="unknown", sdist_sha256="unknown", patch_series_sha256="unknown",
+                unknown=_UNKNOWN if not source_backend else _UNKNOWN[1:], model_checked=checked,
+                imported=dict(inc.origin, n_tokens=len(inc.tokens)), logits=_LOGITS_HOW[logits],
+                recipient={k: recipient[k] for k in ("backend", "device", "build_key", "context")})
+
+
 def import_incoming(inc: Incoming, model, config, *, prompt=None, logits: str = "none",
                     source_backend: str | None = None) -> Capture:
     """A verified capture from an incoming state (see the module docstring for the checks)."""
-    from .runtime import Context, context_identity
-
-    if logits not in LOGITS_MODES:
-        raise InteropError(f"logits must be one of {', '.join(LOGITS_MODES)}, got {logits!r}")
-    if logits == "state" and inc.logits is None:
-        raise InteropError(f"{inc.source}: the source carries no logits; use logits='recompute' or 'none'")
+    lg = _source_logits(inc, logits, model.n_vocab)
     tokens = inc.tokens
     check_tokens(tokens, model, inc.source, inc.arch)
     st = sequence_zero_state(inc.memory, inc.source)
     check_against_model(tokens, st, model, inc.source)
     if prompt is not None:
         check_prompt_tokens(model, prompt, tokens, inc.source)
-    kt, vt = {int(t) for t in st.k_types}, {int(t) for t in st.v_types}
-    if len(kt) != 1 or len(vt) != 1:
-        raise InteropError(f"{inc.source}: layers store different KV types; a context has one K and one V type")
-    type_k, type_v = _kv_type_name(kt.pop()), _kv_type_name(vt.pop())
-    n = len(tokens)
-    config = config.with_(type_k=type_k, type_v=type_v, n_ctx=max(config.n_ctx, n + 1))
+    config = _recipient_config(st, config, len(tokens), inc.source)
     blob = st.to_bytes()
-    with Context(model, config) as ctx:
-        ctx.state_set(blob)
-        if ctx.state_get() != blob:
-            raise InteropError(f"{inc.source}: the state read back from llama.cpp differs from the imported one")
-        if ctx.seq_pos_max(0) != n - 1:
-            raise InteropError(f"{inc.source}: restored state ends at position {ctx.seq_pos_max(0)}, expected {n - 1}")
-        if logits == "recompute":
-            lg = recompute_last_logits(ctx, tokens)
-    recipient = context_identity(model, config)
-    how = {"none": {"source": "absent", "note": "the file holds no logits; re-import with logits recomputed to "
-                                                "continue from this capture"},
-           "recompute": {"source": "recomputed", "how": "the imported cells 0..n-2 restored in a fresh recipient "
-                         "context (see 'recipient'), the last token decoded alone at position n-1 (one-row decode)"},
-           "state": {"source": "carried by the source state"}}[logits]
-    if logits == "none":
-        lg = np.full(model.n_vocab, np.nan, dtype=np.float32)
-    elif logits == "state":
-        lg = np.asarray(inc.logits, dtype=np.float32)
-        if lg.shape != (model.n_vocab,) or not np.all(np.isfinite(lg)):
-            raise InteropError(f"{inc.source}: the carried logits have shape {lg.shape} or non-finite values "
-                               "(a Llama made without logits_all=True keeps none): use logits='recompute'")
-    unknown = ["backend", "device", "build", "schedule (prompt submissions and ubatch)", "context parameters"]
-    identity = dict(recipient, origin="imported", backend=source_backend or "unknown",
-                    device="unknown", build_key="unknown", build_backend="unknown", sdist_sha256="unknown",
-                    patch_series_sha256="unknown", unknown=unknown if not source_backend else unknown[1:],
-                    model_checked="tokens within the vocabulary, KV geometry" + (", architecture" if inc.arch else "")
-                    + (", prompt tokenization" if prompt is not None else "") + "; the file records no model hash",
-                    imported=dict(inc.origin, n_tokens=n), logits=how,
-                    recipient={k: recipient[k] for k in ("backend", "device", "build_key", "context")})
+    recomputed = restore_in_recipient(model, config, blob, tokens, inc.source, lg is None)
+    identity = imported_identity(inc, model, config, prompt, logits, source_backend)
     if prompt is not None:
         pid, psha = prompt.id, prompt.sha256
     else:
         pid = f"imported:{Path(inc.source).name}"
         psha = hashlib.sha256(model.detokenize(tokens).encode()).hexdigest()
-    sched = Schedule("Imported", (REST,), config.n_ubatch, config.n_batch)  # capitalised: rich markup keeps "[Imported]"
-    return Capture(pid, psha, tokens, lg, blob, sched, identity,
+    sched = Schedule("Imported", (REST,), config.n_ubatch, config.n_batch)  # capitalised: rich keeps "[Imported]"
+    return Capture(pid, psha, tokens, recomputed if lg is None else lg, blob, sched, identity,
                    {"origin": "imported", "prompt_text": "given" if prompt is not None else "unknown (detokenized)"})
 
 

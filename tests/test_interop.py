@@ -295,6 +295,7 @@ def test_capture_without_logits_refuses_to_continue_with_one_line(cli, model, ar
     _p, got = arms
     f = tmp_path / "a.bin"
     f.write_bytes(encode_state_file("seq", got["A"][0].tokens, got["A"][0].blob))
+    one_line_error(cli("import-state", f, tmp_path / "imp", "--logits", "state"), "no usable logits")
     assert cli("import-state", f, tmp_path / "imp").returncode == 0
     one_line_error(cli("continue", tmp_path / "imp", "--cap", "4", "--allow-backend"), "no initial logits")
 
