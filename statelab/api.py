@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -233,12 +233,34 @@ def _first_token_difference(ta: np.ndarray, tb: np.ndarray) -> int | None:
     return int(dt[0]) if dt.size else (None if len(ta) == len(tb) else n)
 
 
-def check_comparable(ca: Capture, cb: Capture) -> None:
-    """Refuse, in one line, two captures whose cells cannot correspond (different token counts)."""
-    if ca.n_prompt != cb.n_prompt:
-        raise IdentityError(f"the captures hold {ca.n_prompt} and {cb.n_prompt} tokens (first difference at token "
-                            f"{_first_token_difference(ca.tokens, cb.tokens)}): not the same prompt as tokenized, "
-                            "their cells do not correspond")
+def prefix_state(st: KVState, n: int) -> KVState:
+    """The state's first ``n`` cells (positions 0..n-1): a prompt's part of a state that also
+    holds generated tokens (a server slot saved after a completion)."""
+    parts = getattr(st, "parts", None)
+    if parts and len(parts) > 1:
+        raise IdentityError("a state of several caches (iSWA) is compared only with one of the same length")
+    idx = np.flatnonzero(np.asarray(st.positions) < n)
+    if len(idx) != n:
+        raise IdentityError(f"the state does not hold positions 0..{n - 1} once each")
+    seq_ids = tuple(st.seq_ids[i] for i in idx)
+    kw = {"positions": np.asarray(st.positions)[idx], "seq_ids": seq_ids, "k": [a[idx] for a in st.k],
+          "v": [a[:, idx] if st.v_trans else a[idx] for a in st.v]}
+    if parts:
+        kw["parts"] = [replace(parts[0], positions=kw["positions"], seq_ids=seq_ids)]
+    return replace(st, **kw)
+
+
+def comparable_states(ca: Capture, cb: Capture) -> tuple[KVState, KVState]:
+    """The two states cell for cell: equal token lists, or one a prefix of the other (then the
+    longer state's first cells); anything else is refused in one line."""
+    first = _first_token_difference(ca.tokens, cb.tokens)
+    if first is None:
+        return ca.state, cb.state
+    n = min(ca.n_prompt, cb.n_prompt)
+    if first < n:
+        raise IdentityError(f"the captures hold different tokens from token {first} on ({ca.n_prompt} and "
+                            f"{cb.n_prompt} tokens): not the same prompt as tokenized, their cells do not correspond")
+    return prefix_state(ca.state, n), prefix_state(cb.state, n)
 
 
 def diff(a: CaptureLike, b: CaptureLike) -> xr.Dataset:
@@ -248,10 +270,10 @@ def diff(a: CaptureLike, b: CaptureLike) -> xr.Dataset:
     lowest differing position; -1 when the KV is identical), the earliest differing position in
     any layer, whether tokens and initial logits agree."""
     ca, cb = load(a), load(b)
-    check_comparable(ca, cb)
-    d = compare(ca.state, cb.state)
+    sa, sb = comparable_states(ca, cb)
+    d = compare(sa, sb)
     rec = d.records()
-    layers = np.arange(ca.state.n_layer)
+    layers = np.arange(sa.n_layer)
     comps = ["K", "V"]
     cols = ("changed_bytes", "changed_values", "max_abs", "l2", "l2_rel")
     table = {c: np.zeros((len(layers), 2), dtype=np.float64 if c in ("max_abs", "l2", "l2_rel") else np.int64)
@@ -259,9 +281,9 @@ def diff(a: CaptureLike, b: CaptureLike) -> xr.Dataset:
     for r_ in rec:
         for c in cols:
             table[c][r_["layer"], comps.index(r_["component"])] = r_[c]
-    first_cell = np.stack(first_differing_cells(ca.state, cb.state), axis=1)
-    first_pos = _cell_positions(ca.state, first_cell)
-    summary = difference_summary(ca, cb, first_cell)
+    first_cell = np.stack(first_differing_cells(sa, sb), axis=1)
+    first_pos = _cell_positions(sa, first_cell)
+    summary = difference_summary(ca, cb, (sa, sb), first_cell)
     ds = xr.Dataset({c: (("layer", "component"), v) for c, v in table.items()},
                     coords={"layer": layers, "component": comps})
     ds["first_cell"] = (("layer", "component"), first_cell)
@@ -281,11 +303,14 @@ def _cell_positions(st: KVState, cells: np.ndarray) -> np.ndarray:
     return out
 
 
-def difference_summary(ca: Capture, cb: Capture, first_cell: np.ndarray | None = None) -> dict:
-    """First differing layer and position, earliest differing position, tokens and logits agreement."""
+def difference_summary(ca: Capture, cb: Capture, states: tuple[KVState, KVState] | None = None,
+                       first_cell: np.ndarray | None = None) -> dict:
+    """First differing layer and position, earliest differing position, tokens and logits agreement
+    (``states``: the compared states, from :func:`comparable_states`)."""
+    sa, sb = comparable_states(ca, cb) if states is None else states
     if first_cell is None:
-        first_cell = np.stack(first_differing_cells(ca.state, cb.state), axis=1)
-    first_pos = _cell_positions(ca.state, first_cell)
+        first_cell = np.stack(first_differing_cells(sa, sb), axis=1)
+    first_pos = _cell_positions(sa, first_cell)
     differ = np.flatnonzero((first_pos >= 0).any(axis=1))
     out = {"first_layer": -1, "first_position": -1, "first_component": "", "earliest_position": -1,
            "earliest_layer": -1}
@@ -297,10 +322,8 @@ def difference_summary(ca: Capture, cb: Capture, first_cell: np.ndarray | None =
         out.update(first_layer=L, first_position=int(masked[L, j]), first_component="KV"[j])
         lay = int(np.argmin(masked.min(axis=1)))
         out.update(earliest_position=int(masked[lay].min()), earliest_layer=lay)
-    first_tok = _first_token_difference(ca.tokens, cb.tokens)
-    out["tokens_equal"] = first_tok is None
-    if first_tok is not None:
-        out["first_token_difference"] = first_tok
+    out["tokens_equal"] = _first_token_difference(ca.tokens, cb.tokens) is None
+    out["compared_cells"] = sa.n_cells  # fewer than a capture holds when it extends the other's tokens
     la, lb = np.asarray(ca.logits), np.asarray(cb.logits)
     known = bool(np.all(np.isfinite(la)) and np.all(np.isfinite(lb)))
     out["logits_known"] = known
@@ -309,5 +332,5 @@ def difference_summary(ca: Capture, cb: Capture, first_cell: np.ndarray | None =
     return out
 
 
-__all__ = ["CrossResult", "capture", "check_comparable", "continue_", "cross", "diff", "difference_summary", "first_differing_cells",
-           "head_dims", "load", "open_capture"]
+__all__ = ["CrossResult", "capture", "comparable_states", "continue_", "cross", "diff", "difference_summary", "first_differing_cells",
+           "head_dims", "load", "open_capture", "prefix_state"]

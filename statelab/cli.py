@@ -220,12 +220,12 @@ def cross_(donor: Path = typer.Argument(..., help="donor capture"),
 @app.command()
 def diff(a: Path = typer.Argument(..., help="capture A"), b: Path = typer.Argument(..., help="capture B")):
     """Per-layer table of differences between two captures' KV states."""
-    from .api import check_comparable, difference_summary
+    from .api import comparable_states, difference_summary
     from .kvstate import compare
 
     ca, cb = _capture_dir(a), _capture_dir(b)
-    check_comparable(ca, cb)
-    d = compare(ca.state, cb.state)
+    sa, sb = comparable_states(ca, cb)
+    d = compare(sa, sb)
     t = Table(title=f"{ca.schedule.name} vs {cb.schedule.name} ({ca.prompt_id})")
     for col in ("layer", "comp", "changed bytes", "max |d|", "L2", "L2 rel"):
         t.add_column(col, justify="right")
@@ -233,7 +233,7 @@ def diff(a: Path = typer.Argument(..., help="capture A"), b: Path = typer.Argume
         t.add_row(str(r["layer"]), r["component"], str(r["changed_bytes"]), f"{r['max_abs']:.6g}",
                   f"{r['l2']:.6g}", f"{r['l2_rel']:.3g}")
     console.print(t)
-    s = difference_summary(ca, cb)
+    s = difference_summary(ca, cb, (sa, sb))
     where = ("none" if s["first_layer"] < 0 else
              f"layer {s['first_layer']} ({s['first_component']}) at position {s['first_position']}; earliest "
              f"position {s['earliest_position']} (layer {s['earliest_layer']})")
@@ -242,8 +242,8 @@ def diff(a: Path = typer.Argument(..., help="capture A"), b: Path = typer.Argume
     console.print(f"identical KV: {d.identical}; first differing layer: {d.first_differing_layer}; "
                   f"first difference: {where}; initial logits identical: {logits}", markup=False, highlight=False)
     if not s["tokens_equal"]:
-        console.print(f"the captures hold different tokens (first at token {s['first_token_difference']}): "
-                      "their cells do not hold the same prompt", markup=False, highlight=False)
+        console.print(f"compared the first {s['compared_cells']} cells: one capture's tokens extend the other's "
+                      f"({ca.n_prompt} and {cb.n_prompt} tokens)", markup=False, highlight=False)
 
 
 # ---------------------------------------------------------------------------- interop (llama.cpp state files)

@@ -292,12 +292,14 @@ def check_against_model(tokens: np.ndarray, st: KVState, model, source: str) -> 
                             f"{info.n_embd_k_gqa}/{info.n_embd_v_gqa}: saved with another model")
 
 
-def check_prompt_tokens(model, prompt, tokens: np.ndarray, source: str) -> None:
+def check_prompt_tokens(model, prompt, tokens: np.ndarray, source: str) -> int:
+    """The file's tokens must be the prompt as the model tokenizes it, possibly followed by more
+    (a server slot saved after a completion holds the generated tokens too): how many follow."""
     want = model.tokenize(prompt.text)
-    if np.array_equal(want, tokens):
-        return
     n = min(len(want), len(tokens))
     diff = np.flatnonzero(want[:n] != tokens[:n])
+    if not diff.size and len(tokens) >= len(want):
+        return len(tokens) - len(want)
     at = int(diff[0]) if diff.size else n
     raise IdentityError(f"{source}: its tokens are not {prompt.id} as this model tokenizes it: first difference at "
                         f"token {at} ({len(tokens)} tokens in the file, {len(want)} from the prompt)")
@@ -397,12 +399,13 @@ def import_incoming(inc: Incoming, model, config, *, prompt=None, logits: str = 
     check_tokens(tokens, model, inc.source, inc.arch)
     st = sequence_zero_state(inc.memory, inc.source)
     check_against_model(tokens, st, model, inc.source)
-    if prompt is not None:
-        check_prompt_tokens(model, prompt, tokens, inc.source)
+    after = check_prompt_tokens(model, prompt, tokens, inc.source) if prompt is not None else None
     config = _recipient_config(st, config, len(tokens), inc.source)
     blob = st.to_bytes()
     recomputed = restore_in_recipient(model, config, blob, tokens, inc.source, lg is None)
     identity = imported_identity(inc, model, config, prompt, logits, source_backend)
+    if after is not None:
+        identity["imported"]["tokens_after_prompt"] = after
     if prompt is not None:
         pid, psha = prompt.id, prompt.sha256
     else:

@@ -281,6 +281,32 @@ def test_bad_files_give_one_line_and_write_nothing(cli, model, arms, tmp_path):
 
 
 @pytest.mark.model
+def test_a_slot_saved_after_a_completion_diffs_on_the_prompt_cells(cli, model, base_config, arms, tmp_path):
+    """A server slot saved after a completion holds the prompt and the generated tokens: the
+    import takes the prompt as a prefix, diff compares the cells both captures hold."""
+    from statelab.archive import save_capture
+    from statelab.formation import PRESETS, form
+    from statelab.prompts import resolve
+
+    p, got = arms
+    cap_a, nat_a = got["A"]
+    longer = form(model, resolve("text:" + p.text + model.detokenize(nat_a.tokens[:3])), PRESETS["A"], base_config)
+    assert longer.tokens[: cap_a.n_prompt].tolist() == cap_a.tokens.tolist()  # the prompt, then 3 more
+    f = tmp_path / "after.bin"
+    f.write_bytes(encode_state_file("seq", longer.tokens, longer.blob))
+    r = cli("import-state", f, tmp_path / "imp", "-H", "2")
+    assert r.returncode == 0, r.stderr
+    local = save_capture(got["R"][0], tmp_path / "local")
+    r = cli("diff", local, tmp_path / "imp")
+    assert r.returncode == 0, r.stderr
+    assert f"compared the first {cap_a.n_prompt} cells" in r.stdout and "first difference: layer" in r.stdout
+    from statelab.api import diff
+
+    d = diff(tmp_path / "imp", local)
+    assert d.attrs["compared_cells"] == cap_a.n_prompt and d.attrs["first_layer"] >= 0
+
+
+@pytest.mark.model
 def test_prompt_that_does_not_match_the_tokens_is_refused(cli, model, arms, tmp_path):
     _p, got = arms
     f = tmp_path / "a.bin"
