@@ -33,10 +33,10 @@ def load(capture: CaptureLike) -> Capture:
 
 def _attr(value):
     """xarray/NetCDF attributes hold scalars and strings: nested values become JSON text."""
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
     if isinstance(value, (str, int, float, np.integer, np.floating)):
         return value
-    if isinstance(value, bool):
-        return int(value)
     return json.dumps(value, sort_keys=True, default=str)
 
 
