@@ -236,10 +236,12 @@ def cross_(donor: Path = typer.Argument(..., help="donor capture"),
 @app.command()
 def diff(a: Path = typer.Argument(..., help="capture A"), b: Path = typer.Argument(..., help="capture B")):
     """Per-layer table of differences between two captures' KV states."""
+    from .api import comparable_states, difference_summary
     from .kvstate import compare
 
     ca, cb = _capture_dir(a), _capture_dir(b)
-    d = compare(ca.state, cb.state)
+    sa, sb = comparable_states(ca, cb)
+    d = compare(sa, sb)
     t = Table(title=f"{ca.schedule.name} vs {cb.schedule.name} ({ca.prompt_id})")
     for col in ("layer", "cache", "comp", "changed bytes", "max |d|", "L2", "L2 rel"):
         t.add_column(col, justify="right")
@@ -247,10 +249,64 @@ def diff(a: Path = typer.Argument(..., help="capture A"), b: Path = typer.Argume
         t.add_row(str(r["layer"]), r["cache"], r["component"], str(r["changed_bytes"]), f"{r['max_abs']:.6g}",
                   f"{r['l2']:.6g}", f"{r['l2_rel']:.3g}")
     console.print(t)
-    same_logits = ca.logits.tobytes() == cb.logits.tobytes()
+    s = difference_summary(ca, cb, (sa, sb))
+    where = ("none" if s["first_layer"] < 0 else
+             f"layer {s['first_layer']} ({s['first_component']}) at position {s['first_position']}; earliest "
+             f"position {s['earliest_position']} (layer {s['earliest_layer']})")
+    logits = ("unknown (a capture without logits)" if not s["logits_known"] else str(s["logits_equal"])
+              + ("" if s["logits_equal"] else f" (max |d| {s['logits_max_abs']:.6g})"))
     console.print(f"identical KV: {d.identical}; first differing layer: {d.first_differing_layer}; "
-                  f"initial logits identical: {same_logits}"
-                  + ("" if same_logits else f" (max |d| {float(abs(ca.logits - cb.logits).max()):.6g})"))
+                  f"first difference: {where}; initial logits identical: {logits}", markup=False, highlight=False)
+    if not s["tokens_equal"]:
+        console.print(f"compared the first {s['compared_cells']} cells: one capture's tokens extend the other's "
+                      f"({ca.n_prompt} and {cb.n_prompt} tokens)", markup=False, highlight=False)
+
+
+# ---------------------------------------------------------------------------- interop (llama.cpp state files)
+def _optional_prompt(prompt, humaneval, prompt_file):
+    return None if prompt is None and humaneval is None and prompt_file is None else \
+        _prompt(prompt, humaneval, prompt_file)
+
+
+@app.command("import-state")
+def import_state(file: Path = typer.Argument(..., help="llama.cpp state file (llama_state_seq_save_file, llama-server "
+                                             "slot save, or llama_state_save_file)"),
+                 out: Path = typer.Argument(..., help="output capture folder (must not exist)"),
+                 model: Optional[Path] = ModelOpt, prompt: Optional[str] = PromptOpt,
+                 humaneval: Optional[str] = HumanEvalOpt, prompt_file: Optional[Path] = PromptFileOpt,
+                 logits: str = typer.Option("none", "--logits", help="none (the file holds none) or recompute "
+                                            "(re-evaluate the last token in a recipient context on --backend)"),
+                 backend: str = BackendOpt, source_backend: Optional[str] = typer.Option(
+                     None, "--source-backend", help="the backend that formed the state, when known"),
+                 threads: int = ThreadsOpt, n_ctx: int = CtxOpt):
+    """Import a llama.cpp state file as a verified capture (tokens, vocabulary, geometry checked)."""
+    from .archive import save_capture
+    from .interop import import_state_file
+
+    p = _optional_prompt(prompt, humaneval, prompt_file)
+    m, base = _setup(model, backend, threads, n_ctx)
+    c = import_state_file(file, m, base, prompt=p, logits=logits, source_backend=source_backend)
+    save_capture(c, out)
+    console.print(f"imported {c.identity['imported']['format']}: {c.n_prompt} tokens as {c.prompt_id} -> {out}\n"
+                  f"logits: {c.identity['logits']['source']}; kv {c.hashes()['kv'][:16]}", markup=False)
+
+
+@app.command("export-state")
+def export_state(capture_dir: Path = typer.Argument(..., help="a capture folder"),
+                 file: Path = typer.Argument(..., help="output state file"),
+                 kind: str = typer.Option("seq", "--kind", help="seq (llama_state_seq_load_file, llama-server slot "
+                                          "restore) or whole (llama_state_load_file)"),
+                 model: Optional[Path] = typer.Option(None, "--model", "-m", help="the capture's model (whole files "
+                                                      "record its architecture; default: the path in the capture)"),
+                 streams: int = typer.Option(1, "--streams", help="KV streams of the receiving context (llama-server "
+                                             "-np N without --kv-unified has N)"),
+                 overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing file")):
+    """Write a capture as a llama.cpp state file."""
+    from .interop import export_state_file
+
+    c = _capture_dir(capture_dir)
+    path = export_state_file(c, file, kind, model, overwrite, streams)
+    console.print(f"{path}: {kind} state file, {c.n_prompt} tokens, {path.stat().st_size} bytes", markup=False)
 
 
 @app.command()

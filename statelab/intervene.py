@@ -50,6 +50,9 @@ def import_and_continue(model, config, blob: bytes, logits0: np.ndarray, n_promp
     byte for byte before any token is decoded."""
     from .runtime import Context
 
+    if not np.all(np.isfinite(logits0)):
+        raise DecodeError("the capture has no initial logits (a state imported without them): import it again "
+                          "with --logits recompute")
     with Context(model, config) as ctx:
         ctx.state_set(blob)
         back = ctx.state_get()
