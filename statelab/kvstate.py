@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import StatelabError
+
 __all__ = [
     "GGML_F16",
     "GGML_F32",
@@ -88,7 +90,7 @@ _GGML_TYPE_NAMES = {
 }
 
 
-class KVFormatError(ValueError):
+class KVFormatError(StatelabError, ValueError):
     """A blob (or a state) the codec does not understand or two states that do not match."""
 
 

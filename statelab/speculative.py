@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .errors import ConfigError, IdentityError
+from .limits import check_threads, check_tokens
 from .receiver import Endpoint, check_cap
 
 LAYOUT_NAMES = ("MQ", "PQ", "QB", "GS")
@@ -274,10 +275,10 @@ class SpecConfig:
     max_queries: int = 4
 
     def __post_init__(self):
-        if self.k < 1:
-            raise ConfigError(f"k must be >= 1, got {self.k}")
-        if self.ubatch < 1:
-            raise ConfigError(f"target ubatch must be >= 1, got {self.ubatch}")
+        check_tokens("k (draft proposals per cycle)", self.k)
+        check_tokens("the target ubatch", self.ubatch)
+        check_tokens("n_ctx", self.n_ctx)
+        check_threads("the thread count", self.threads)
         check_mask(self.mask)
         check_cap(self.cap)
 
