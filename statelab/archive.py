@@ -55,17 +55,17 @@ def manifest_seal(manifest: dict) -> str:
 def _check_replaceable(dest: Path, fmt: str) -> None:
     """Refuse to delete anything but an archive of format ``fmt`` holding only its own files."""
     if not dest.is_dir() or dest.is_symlink():
-        raise ArchiveError(f"refusing to replace {dest}: it is not an archive folder")
+        raise ArchiveError(f"refusing to overwrite {dest}: it is not an archive folder")
     try:
         old = json.loads((dest / "manifest.json").read_text())
     except (OSError, ValueError):
-        raise ArchiveError(f"refusing to replace {dest}: it holds no readable statelab manifest") from None
+        raise ArchiveError(f"refusing to overwrite {dest}: it holds no readable statelab manifest") from None
     if not isinstance(old, dict) or old.get("format") != fmt:
-        raise ArchiveError(f"refusing to replace {dest}: it is not a {fmt} archive")
+        raise ArchiveError(f"refusing to overwrite {dest}: it is not a {fmt} archive")
     listed = set(old.get("files") or {}) | {"manifest.json"}
     foreign = sorted(p.name for p in dest.iterdir() if p.name not in listed)
     if foreign:
-        raise ArchiveError(f"refusing to replace {dest}: it holds files the archive does not list "
+        raise ArchiveError(f"refusing to overwrite {dest}: it holds files the archive does not list "
                            f"({', '.join(foreign[:5])})")
 
 
@@ -209,6 +209,7 @@ def check_replaceable_capture(dest: str | os.PathLike) -> None:
     except ArchiveError as e:
         raise ArchiveError(f"refusing to overwrite {dest}: not a verified statelab capture "
                            f"({' '.join(str(e).split())})") from None
+    _check_replaceable(dest, FORMAT)  # and nothing in it but the capture's own files
 
 
 def check_importable(cap: Capture, model, config, allow_other_backend: bool = False) -> None:

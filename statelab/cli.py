@@ -745,11 +745,44 @@ def _one_line(msg: str) -> None:
     print(f"error: {' '.join(str(msg).split())}", file=sys.stderr)
 
 
+def _keep_interrupts() -> None:
+    """A Ctrl-C that lands while Python runs inside a ctypes callback (llama.cpp's log or
+    eval callback) is swallowed there ("Exception ignored ..."): deliver it again shortly,
+    until it lands outside a callback and unwinds the command."""
+    import _thread
+    import signal
+    import threading
+
+    prev = sys.unraisablehook
+
+    def again() -> None:
+        t = threading.Timer(0.05, _thread.interrupt_main)  # calls on_sigint in the main thread
+        t.daemon = True
+        t.start()
+
+    def hook(u):
+        if u.exc_type is not None and issubclass(u.exc_type, KeyboardInterrupt):
+            again()
+            return
+        prev(u)
+
+    def on_sigint(signum, frame):
+        if frame is not None and frame.f_code in (hook.__code__, again.__code__):
+            again()  # raising here would be swallowed too
+            return
+        raise KeyboardInterrupt
+
+    sys.unraisablehook = hook
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, on_sigint)
+
+
 def main():
     """Run the CLI.  A usage error prints the usage line and exits 2; a StatelabError, an
     unreadable file or undecodable text prints one line and exits 2; Ctrl-C exits 130."""
     from typer._click.exceptions import ClickException  # typer's vendored click raises these
 
+    _keep_interrupts()
     try:
         rc = app(standalone_mode=False)  # an Exit (typer.Exit, Ctrl-C as Exit(130)) comes back as its code
     except StatelabError as e:
