@@ -53,14 +53,16 @@ def manifest_seal(manifest: dict) -> str:
 
 
 def _check_replaceable(dest: Path, fmt: str) -> None:
-    """Refuse to delete anything but an archive of format ``fmt`` holding only its own files."""
+    """Refuse to delete anything but an archive of the kind of ``fmt`` (any version) holding
+    only its own files."""
     if not dest.is_dir() or dest.is_symlink():
         raise ArchiveError(f"refusing to overwrite {dest}: it is not an archive folder")
     try:
         old = json.loads((dest / "manifest.json").read_text())
     except (OSError, ValueError):
         raise ArchiveError(f"refusing to overwrite {dest}: it holds no readable statelab manifest") from None
-    if not isinstance(old, dict) or old.get("format") != fmt:
+    got = old.get("format") if isinstance(old, dict) else None
+    if not isinstance(got, str) or got.rsplit("/", 1)[0] != fmt.rsplit("/", 1)[0]:  # any version of the kind
         raise ArchiveError(f"refusing to overwrite {dest}: it is not a {fmt} archive")
     listed = set(old.get("files") or {}) | {"manifest.json"}
     foreign = sorted(p.name for p in dest.iterdir() if p.name not in listed)

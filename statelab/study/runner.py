@@ -56,7 +56,12 @@ def _controls_current(sdir: StudyDir, spec: StudySpec, prompt) -> dict | None:
     ctl = sdir.read_controls(prompt.id)
     if ctl is None or ctl.get("spec_hash") != spec.hash:
         return None
-    if not all((sdir.capture_dir(prompt.id, a) / "manifest.json").is_file() for a in spec.arms):
+    from ..archive import ArchiveError, load_capture
+
+    try:  # every arm's capture verifies (a damaged or older-format capture is formed again)
+        for a in spec.arms:
+            load_capture(sdir.capture_dir(prompt.id, a))
+    except ArchiveError:
         return None
     return ctl
 
