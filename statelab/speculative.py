@@ -275,7 +275,7 @@ class SpecConfig:
     max_queries: int = 4
 
     def __post_init__(self):
-        check_tokens("k (draft proposals per cycle)", self.k)
+        check_tokens("k", self.k)
         check_tokens("the target ubatch", self.ubatch)
         check_tokens("n_ctx", self.n_ctx)
         check_threads("the thread count", self.threads)
