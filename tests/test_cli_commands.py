@@ -134,7 +134,7 @@ def test_study_minimal_finds_a_selection_that_reproduces_the_donor(tiny_study, m
     assert res["found"], "ALL reproduces the distinguishable donor, so some selection does"
     # the reported selection, checked independently: a subset cross that reproduces the donor
     sdir = StudyDir(out)
-    donor, recip = load_capture(sdir.capture_dir("HumanEval/2", "R")), load_capture(sdir.capture_dir("HumanEval/2", "A"))
+    donor, recip = (load_capture(sdir.capture_dir("HumanEval/2", a)) for a in ("R", "A"))
     ctl = sdir.read_controls("HumanEval/2")
     sel = select(Selector("m", (Term(layers=tuple(res["layers"]), positions=tuple(res["positions"])),)), recip.state)
     assert sel.selected_bytes == res["selected_bytes"]

@@ -8,10 +8,12 @@ study spec without cap.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -21,12 +23,14 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, STATELAB, one_line_error, run_cli
-from statelab.archive import ArchiveError, load_capture, manifest_seal, read_manifest, save_capture
+from statelab.archive import ArchiveError, load_capture, save_capture
 from statelab.errors import ConfigError, StatelabError
 from statelab.formation import PRESETS, Schedule, form, parse_schedule
-from statelab.limits import MAX_TOKENS
-from statelab.paths import temp_prefix
 from statelab.study import StudyDir, StudyError, load_spec
+
+# Names new with the hardening are imported inside the tests, so that on a tree without
+# them each test fails for its own fault rather than the whole module failing to import.
+MAX_TOKENS = 1 << 24  # the documented bound on context, batch, ubatch and submission sizes
 
 TEXT = "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"  # a short prompt (about 20 tokens)
 
@@ -41,12 +45,25 @@ def _write_tiny_spec(folder: Path, name: str, cap: int | None = 8, extra: str = 
     return p
 
 
+def _seal(m: dict) -> str:
+    """The documented seal: sha256 of the manifest's canonical form (every field but the
+    seal, keys sorted, no whitespace, ASCII)."""
+    body = {k: v for k, v in m.items() if k != "seal"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _temp_prefix(target: Path, pid: int) -> str:
+    """The documented name of a temporary for ``target``: ``.NAME.HOST-PID.``."""
+    return f".{target.name}.{socket.gethostname()}-{pid}."
+
+
 def _edit_manifest(folder: Path, edit, reseal: bool = True) -> None:
     """Apply ``edit`` to a capture's manifest; ``reseal`` as a consistent forgery would."""
     m = json.loads((folder / "manifest.json").read_text())
     edit(m)
     if reseal:
-        m["seal"] = manifest_seal(m)
+        m["seal"] = _seal(m)
     (folder / "manifest.json").write_text(json.dumps(m, indent=2, sort_keys=True))
 
 
@@ -117,8 +134,6 @@ def test_diff_of_captures_with_different_cell_counts(caps):
 @pytest.mark.model
 def test_truncated_kv_with_recomputed_hashes_is_one_line(caps, tmp_path):
     """kv.bin cut short and every hash of the manifest recomputed to match (and resealed)."""
-    import hashlib
-
     d = _copy(caps["A"], tmp_path / "cut")
     blob = (d / "kv.bin").read_bytes()[:-1000]
     (d / "kv.bin").write_bytes(blob)
@@ -168,6 +183,9 @@ def test_geometry_bounds_in_the_library():
     with pytest.raises(ConfigError, match="n_ubatch"):
         parse_schedule("ub16777217")
     assert parse_schedule(f"ub{MAX_TOKENS}").n_ubatch == MAX_TOKENS
+    from statelab.limits import MAX_TOKENS as bound
+
+    assert bound == MAX_TOKENS
 
 
 def test_n_ctx_beyond_32_bits_is_one_line():
@@ -225,12 +243,15 @@ def test_a_bit_flip_in_every_byte_of_the_manifest_is_refused(caps, tmp_path):
     byte i, so every bit position is hit), each read back through the archive's reader."""
     import tempfile
 
+    from statelab.archive import manifest_seal, read_manifest
+
     shm = Path("/dev/shm")
     work = Path(tempfile.mkdtemp(dir=shm)) if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
     try:
         d = _copy(caps["A"], work / "flip")
         raw = (d / "manifest.json").read_bytes()
         original = read_manifest(d, "statelab.capture/2")
+        assert original["seal"] == manifest_seal(original) == _seal(original)
         accepted = []
         for i in range(len(raw)):
             b = bytearray(raw)
@@ -397,7 +418,7 @@ def _killed_while_writing(code: str, target: Path) -> Path:
     child.kill()
     child.wait()
     left = [p for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.")]
-    assert len(left) == 1 and left[0].name.startswith(temp_prefix(target).rsplit("-", 1)[0]), left
+    assert len(left) == 1 and left[0].name.startswith(_temp_prefix(target, child.pid)), left
     return left[0]
 
 
@@ -437,7 +458,7 @@ def test_study_report_cleans_a_results_temporary(raced, tmp_path):
     _, out, _, _ = raced
     folder = _copy(out, tmp_path / "study")
     left = _killed_while_writing(ATOMIC_KILLED, folder / "results.nc")
-    live = folder / f"{temp_prefix(folder / 'results.nc')}keep.tmp"  # this process is alive: kept
+    live = folder / f"{_temp_prefix(folder / 'results.nc', os.getpid())}keep.tmp"  # this process is alive: kept
     live.write_bytes(b"in progress")
     r = run_cli("study", "report", folder)
     assert r.returncode == 0, r.stderr
