@@ -47,8 +47,7 @@ def test_sweep_classes_on_cpu(tmp_path):
     r = run_cli("sweep", "-H", "2", "--schedules", "A,ub4,64+rest,R", "--cap", "4", "--json", out)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
-    assert [row["schedule"] if "schedule" in row else row["describe"].split(":")[0] for row in res["rows"]] == \
-        ["A", "ub4", "64+rest", "R"]
+    assert [row["schedule"] for row in res["rows"]] == ["A", "ub4", "64+rest", "R"]
     classes = [sorted(c) for c in res["state_classes"]]
     assert ["64+rest", "A", "ub4"] in classes and ["R"] in classes
     assert "state classes:" in r.stdout
