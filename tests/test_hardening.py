@@ -193,11 +193,14 @@ def test_n_ctx_beyond_32_bits_is_one_line():
 
 
 @pytest.mark.model
-def test_largest_ubatch_runs_like_the_whole_prompt(model, base_config, he):
-    """ubatch 2^24 is accepted and llama.cpp caps it at n_ctx: one micro-batch, as A's 512."""
+def test_largest_ubatch_runs_like_the_whole_prompt_and_one_more_is_refused(model, base_config, he):
+    """ubatch 2^24 is accepted and llama.cpp caps it at n_ctx: one micro-batch, as A's 512;
+    2^24 + 1 is refused before any context is made."""
     big = form(model, he("HumanEval/2"), parse_schedule(f"ub{MAX_TOKENS}"), base_config)
     a = form(model, he("HumanEval/2"), PRESETS["A"], base_config)
     assert big.blob == a.blob and big.logits.tobytes() == a.logits.tobytes()
+    with pytest.raises(ConfigError, match="n_ubatch"):
+        form(model, he("HumanEval/2"), parse_schedule(f"ub{MAX_TOKENS + 1}"), base_config)
 
 
 # ------------------------------------------------------------------ 4. --overwrite
@@ -270,24 +273,28 @@ def test_a_bit_flip_in_every_byte_of_the_manifest_is_refused(caps, tmp_path):
     assert len(accepted) <= len(raw) // 100, accepted
 
 
+HASH_FIELDS = ("files/kv.bin", "files/tokens.npy", "files/logits.npy", "hashes/kv", "hashes/tokens", "hashes/logits",
+               "kv/sha256", "kv/components/L0.K", "kv/components/L29.V", "kv/components/meta")
+
+
 @pytest.mark.model
-@pytest.mark.parametrize("field", ["files/kv.bin", "files/tokens.npy", "files/logits.npy", "hashes/kv",
-                                   "hashes/tokens", "hashes/logits", "kv/sha256", "kv/components/L0.K",
-                                   "kv/components/L29.V", "kv/components/meta"])
-def test_every_recorded_hash_is_checked(caps, tmp_path, field):
-    d = _copy(caps["A"], tmp_path / "h")
+def test_every_recorded_hash_is_checked(caps, tmp_path):
+    """Each hash the manifest records, set to another value (manifest resealed), is refused."""
+    for field in HASH_FIELDS:
+        d = _copy(caps["A"], tmp_path / field.replace("/", "_"))
 
-    def edit(m):
-        *path, last = field.split("/")
-        node = m
-        for k in path:
-            node = node[k]
-        assert last in node
-        node[last] = "0" * 64
+        def edit(m):
+            *path, last = field.split("/")
+            node = m
+            for k in path:
+                node = node[k]
+            assert last in node
+            node[last] = "0" * 64
 
-    _edit_manifest(d, edit)
-    with pytest.raises(ArchiveError):
-        load_capture(d)
+        _edit_manifest(d, edit)
+        with pytest.raises(ArchiveError):
+            load_capture(d)
+            pytest.fail(f"a capture whose manifest records another {field} was accepted")
 
 
 @pytest.mark.model
