@@ -112,7 +112,10 @@ def resolve_draft(target_path, draft: str | None, cache_dir: Path | None = None)
         from .models import model_sha256, resolve_model
         from .paths import cache_dir as default_cache
 
-        n = int(draft.split(":", 1)[1])
+        arg = draft.split(":", 1)[1]
+        if not arg.isdigit():
+            raise ConfigError(f"draft {draft!r}: derive:N needs a layer count N, e.g. derive:8")
+        n = int(arg)
         src = resolve_model(target_path)
         out = (cache_dir or default_cache()) / "drafts" / f"{model_sha256(src)[:16]}-first{n}.gguf"
         if not out.exists():

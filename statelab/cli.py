@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .errors import StatelabError
+from .limits import MAX_THREADS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="KV-state formation, intervention and transplantation on llama.cpp.")
@@ -22,15 +23,15 @@ ModelOpt = typer.Option(None, "--model", "-m", help="GGUF model file (default: t
 BackendOpt = typer.Option("cpu", "--backend", "-b", help="cpu, cuda or vulkan")
 BackendLongOpt = typer.Option("cpu", "--backend", help="cpu, cuda or vulkan")  # where -b means something else
 CapOpt = typer.Option(128, "--cap", help="output cap (generated tokens)")
-ThreadsOpt = typer.Option(0, "--threads", help="CPU threads (0: all cores)")
+ThreadsOpt = typer.Option(0, "--threads", min=0, max=MAX_THREADS, help="CPU threads (0: all cores)")
 CtxOpt = typer.Option(1024, "--n-ctx", help="context size")
 
 
 def _setup(model_path, backend: str, threads: int = 0, n_ctx: int = 1024):
     from .runtime import ContextConfig, Model
 
-    model = Model(model_path, backend=backend)  # checks and prepares the backend first
-    return model, ContextConfig(backend=backend, n_threads=threads, n_ctx=n_ctx)
+    config = ContextConfig(backend=backend, n_threads=threads, n_ctx=n_ctx)  # bounds checked before any load
+    return Model(model_path, backend=backend), config
 
 
 def _prompt(prompt: Optional[str], humaneval: Optional[str], prompt_file: Optional[Path]):
@@ -133,16 +134,21 @@ def capture(out: Path = typer.Argument(..., help="output folder (must not exist)
             prompt_file: Optional[Path] = PromptFileOpt, schedule: str = typer.Option("A", "--schedule", "-s",
             help="A, B, C, R or explicit like 132+1, 128+rest@ub64, ub16"),
             model: Optional[Path] = ModelOpt, backend: str = BackendOpt, threads: int = ThreadsOpt,
-            n_ctx: int = CtxOpt, overwrite: bool = typer.Option(False, help="replace an existing folder"),
+            n_ctx: int = CtxOpt, overwrite: bool = typer.Option(False, help="replace an existing capture (only a "
+                                                                  "capture that verifies is replaced)"),
             cache_type_k: str = typer.Option("f16", "--cache-type-k", help="K cache type: f32, f16, bf16, q8_0"),
             cache_type_v: str = typer.Option("f16", "--cache-type-v", help="V cache type: f32, f16, bf16, q8_0 "
                                              "(q8_0 needs --flash-attn)"),
             flash_attn: bool = typer.Option(False, "--flash-attn", help="flash attention (V stored untransposed)")):
     """Form a state with a prefill schedule and archive it (KV, initial FP32 logits, identities)."""
-    from .archive import save_capture
+    from .archive import ArchiveError, check_replaceable_capture, save_capture
     from .formation import form, parse_schedule
     from .runtime import ContextConfig
 
+    if overwrite:
+        check_replaceable_capture(out)
+    elif out.exists() or out.is_symlink():
+        raise ArchiveError(f"output already exists: {out} (choose another path, or --overwrite to replace a capture)")
     sched = parse_schedule(schedule)
     p = _prompt(prompt, humaneval, prompt_file)
     ContextConfig(type_k=cache_type_k, type_v=cache_type_v, flash_attn=flash_attn)  # checked before loading
@@ -854,27 +860,67 @@ def locate_cmd(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Hum
         _audit_write(out, f"Prompt: {p.id} ({len(toks)} tokens)\n\n" + locate_markdown(res.dataset), res.dataset)
 
 
-def main():
-    try:
-        app(standalone_mode=False)
-    except StatelabError as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(2)
-    except (typer.Abort, KeyboardInterrupt):
-        err.print("aborted")
-        sys.exit(130)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except OSError as e:  # a file that cannot be read or written: one line, like StatelabError
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(2)
-    except Exception as e:  # click usage errors
-        import click
+def _one_line(msg: str) -> None:
+    print(f"error: {' '.join(str(msg).split())}", file=sys.stderr)
 
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        raise
+
+def _keep_interrupts() -> None:
+    """A Ctrl-C that lands while Python runs inside a ctypes callback (llama.cpp's log or
+    eval callback) is swallowed there ("Exception ignored ..."): deliver it again shortly,
+    until it lands outside a callback and unwinds the command."""
+    import _thread
+    import signal
+    import threading
+
+    prev = sys.unraisablehook
+
+    def again() -> None:
+        t = threading.Timer(0.05, _thread.interrupt_main)  # calls on_sigint in the main thread
+        t.daemon = True
+        t.start()
+
+    def hook(u):
+        if u.exc_type is not None and issubclass(u.exc_type, KeyboardInterrupt):
+            again()
+            return
+        prev(u)
+
+    def on_sigint(signum, frame):
+        if frame is not None and frame.f_code in (hook.__code__, again.__code__):
+            again()  # raising here would be swallowed too
+            return
+        raise KeyboardInterrupt
+
+    sys.unraisablehook = hook
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, on_sigint)
+
+
+def main():
+    """Run the CLI.  A usage error prints the usage line and exits 2; a StatelabError, an
+    unreadable file or undecodable text prints one line and exits 2; Ctrl-C exits 130."""
+    from typer._click.exceptions import ClickException  # typer's vendored click raises these
+
+    _keep_interrupts()
+    try:
+        rc = app(standalone_mode=False)  # an Exit (typer.Exit, Ctrl-C as Exit(130)) comes back as its code
+    except StatelabError as e:
+        _one_line(e)
+        sys.exit(2)
+    except ClickException as e:  # usage errors: the usage line, then the error
+        e.show()
+        sys.exit(e.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        rc = 130
+    except OSError as e:  # a file that cannot be read or written
+        _one_line(e)
+        sys.exit(2)
+    except UnicodeDecodeError as e:  # a user's file that is not UTF-8 text
+        _one_line(f"a file is not UTF-8 text ({e.reason} at byte {e.start})")
+        sys.exit(2)
+    if rc == 130:
+        print("interrupted", file=sys.stderr)
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .errors import ConfigError
+from .limits import check_tokens
 
 REST = -1
 DEFAULT_BATCH = 512
@@ -34,8 +35,8 @@ class Schedule:
     n_batch: int = DEFAULT_BATCH
 
     def __post_init__(self):
-        if self.n_ubatch < 1:
-            raise ConfigError(f"schedule {self.name}: n_ubatch must be >= 1, got {self.n_ubatch}")
+        check_tokens(f"schedule {self.name}: n_ubatch", self.n_ubatch)
+        check_tokens(f"schedule {self.name}: n_batch", self.n_batch)
         if self.n_batch < self.n_ubatch:
             raise ConfigError(f"schedule {self.name}: n_batch {self.n_batch} < n_ubatch {self.n_ubatch}")
         if not self.chunks:
@@ -43,8 +44,8 @@ class Schedule:
         for i, c in enumerate(self.chunks):
             if c == REST and i != len(self.chunks) - 1:
                 raise ConfigError(f"schedule {self.name}: 'rest' must be the last submission")
-            if c != REST and c < 1:
-                raise ConfigError(f"schedule {self.name}: submission sizes must be >= 1, got {c}")
+            if c != REST:
+                check_tokens(f"schedule {self.name}: a submission size", c)
 
     def submissions(self, n_prompt: int) -> list[int]:
         """Concrete submission sizes for a prompt of n_prompt tokens (never silently changed)."""

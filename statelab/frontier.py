@@ -53,6 +53,7 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
+from .errors import StatelabError
 from .paths import atomic_path
 
 __all__ = [
@@ -113,7 +114,7 @@ _SIGNED = ("score", "additive", "joint", "interaction")
 _CHUNK_ELEMENTS = 1 << 22  # elements gathered at once (vocab x rows x arms)
 
 
-class FrontierError(ValueError):
+class FrontierError(StatelabError, ValueError):
     """Inputs that cannot form a valid panel, or a request outside the defined contrasts."""
 
 

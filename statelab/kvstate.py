@@ -67,6 +67,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import StatelabError
+
 __all__ = [
     "GGML_BF16",
     "GGML_F16",
@@ -129,7 +131,7 @@ PART_KINDS = ("kv", "full", "swa")
 SWA_NONE, SWA_STANDARD, SWA_CHUNKED, SWA_SYMMETRIC = 0, 1, 2, 3
 
 
-class KVFormatError(ValueError):
+class KVFormatError(StatelabError, ValueError):
     """A blob (or a state) the codec does not understand or two states that do not match."""
 
 

@@ -1,13 +1,23 @@
-"""Cache locations, atomic file writes (temporary file in the same folder, then rename) and
-reading a JSON record that states its format."""
+"""Cache locations, atomic file writes (temporary file in the same folder, then rename),
+cleanup of the temporaries a killed process left, an exclusive lock on a folder, and
+reading a JSON record that states its format.
+
+Temporaries are named ``.NAME.HOST-PID.XXXXXXXX[.tmp]`` beside their target NAME: the next
+write of the same target removes those whose process no longer runs on this host."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
+import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+_OWNER = re.compile(r"^(?P<host>.+)-(?P<pid>\d+)\.")
 
 
 def cache_dir() -> Path:
@@ -18,6 +28,73 @@ def cache_dir() -> Path:
     return p
 
 
+def temp_prefix(path: str | os.PathLike) -> str:
+    """The name prefix of this process's temporaries for ``path``: ``.NAME.HOST-PID.``."""
+    return f".{Path(path).name}.{socket.gethostname()}-{os.getpid()}."
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def clean_stale_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Remove the temporaries (files or folders) that a killed process left for ``path``:
+    siblings named by :func:`temp_prefix` whose process no longer runs on this host.  Those
+    of live processes, of other hosts and every other name are left alone."""
+    path = Path(path)
+    prefix, host = f".{path.name}.", socket.gethostname()
+    removed = []
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return removed
+    for e in entries:
+        if not e.name.startswith(prefix):
+            continue
+        m = _OWNER.match(e.name[len(prefix):])
+        if m is None or m["host"] != host or _process_alive(int(m["pid"])):
+            continue
+        try:
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path)
+            else:
+                os.unlink(e.path)
+        except FileNotFoundError:  # another process cleaned it first
+            pass
+        removed.append(Path(e.path))
+    return removed
+
+
+@contextmanager
+def exclusive_lock(lock_file: str | os.PathLike, error: Callable[[str], Exception], what: str) -> Iterator[Path]:
+    """Hold an exclusive OS lock (``flock``) on ``lock_file`` (created if missing) for the
+    block; the lock dies with the process.  If another process holds it, raise
+    ``error(message)`` at once naming ``what`` and the holder's pid.  The file is never
+    removed (removing a lock file lets two processes lock two different files)."""
+    lock_file = Path(lock_file)
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            raise error(f"{what} is in use by another statelab process ({holder}); wait for it to finish "
+                        "or choose another folder") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield lock_file
+    finally:
+        os.close(fd)  # releases the lock
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike, umask_mode: bool = False) -> Iterator[Path]:
     """Yield a temporary path in ``path``'s folder (which must exist) for the caller to write;
@@ -25,7 +102,8 @@ def atomic_path(path: str | os.PathLike, umask_mode: bool = False) -> Iterator[P
     it is removed.  The temporary file is created empty with mode 0600; with ``umask_mode`` it
     gets the mode of an ordinary new file instead (0666 less the umask)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    clean_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         if umask_mode:
@@ -72,6 +150,7 @@ def read_json_record(file: Path, fmt: str, error: Callable[[str], Exception], *,
         record = json.loads(file.read_text())
     except ValueError as e:
         raise error(invalid.format(folder=folder, file=file, error=e)) from None
-    if record.get("format") != fmt:
-        raise error(wrong_format.format(folder=folder, file=file, got=record.get("format"), want=fmt))
+    got = record.get("format") if isinstance(record, dict) else None
+    if got != fmt:
+        raise error(wrong_format.format(folder=folder, file=file, got=got, want=fmt))
     return record

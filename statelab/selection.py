@@ -73,6 +73,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import StatelabError
 from .kvstate import (
     SWA_CHUNKED,
     SWA_SYMMETRIC,
@@ -106,7 +107,7 @@ _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REPO_SELECTORS = Path(__file__).resolve().parent.parent / "selectors"
 
 
-class SelectorError(ValueError):
+class SelectorError(StatelabError, ValueError):
     """A selector that cannot be loaded or does not fit the model."""
 
 

@@ -164,6 +164,8 @@ def load_spec_selector(name: str, path: Path, search: list[str], err: Err):
         return load_selector(target, search_dirs=search)
     except SelectorError as e:
         raise err(str(e)) from None
+    except UnicodeDecodeError as e:
+        raise err(f"selector {name!r}: the file is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def check_against_model(spec, err: Err) -> None:

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .errors import ConfigError, IdentityError
+from .limits import check_threads, check_tokens
 from .receiver import Endpoint, check_cap
 
 LAYOUT_NAMES = ("MQ", "PQ", "QB", "GS", "PQ+W", "QB+W")
@@ -508,14 +509,17 @@ class SpecConfig:
     fixed_rows: bool = False  # verify always submits k_max + 1 rows (one graph shape, reused)
 
     def __post_init__(self):
-        if self.k < 1:
-            raise ConfigError(f"k must be >= 1, got {self.k}")
-        if self.k_max is not None and self.k_max < self.k:
-            raise ConfigError(f"k_max ({self.k_max}) must be >= k ({self.k})")
-        if self.ubatch < 0:
-            raise ConfigError(f"target ubatch must be >= 1 (or 0: follow k), got {self.ubatch}")
-        if self.max_queries < 0:
-            raise ConfigError(f"max queries must be >= 1 (or 0: the target ubatch), got {self.max_queries}")
+        check_tokens("k", self.k)
+        if self.k_max is not None:
+            check_tokens("k_max", self.k_max)
+            if self.k_max < self.k:
+                raise ConfigError(f"k_max ({self.k_max}) must be >= k ({self.k})")
+        if self.ubatch:  # 0: follows k
+            check_tokens("the target ubatch", self.ubatch)
+        if self.max_queries:  # 0: the target ubatch
+            check_tokens("max queries", self.max_queries)
+        check_tokens("n_ctx", self.n_ctx)
+        check_threads("the thread count", self.threads)
         check_mask(self.mask)
         check_cap(self.cap)
 

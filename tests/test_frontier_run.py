@@ -171,6 +171,10 @@ def _manifest(folder: Path) -> dict:
 
 
 def _write_manifest(folder: Path, m: dict) -> None:
+    """Write an edited manifest resealed, as a consistent forgery would (the seal alone would refuse it)."""
+    from statelab.archive import manifest_seal
+
+    m["seal"] = manifest_seal(m)
     (folder / "manifest.json").write_text(json.dumps(m, indent=2, sort_keys=True))
 
 

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from statelab.archive import ArchiveError, check_importable, load_capture, save_capture
+from statelab.archive import ArchiveError, check_importable, load_capture, manifest_seal, save_capture
 from statelab.errors import ConfigError, IdentityError
 from statelab.formation import PRESETS, form, parse_schedule
 from statelab.intervene import config_of, cross, natural, sham
@@ -158,6 +158,10 @@ def test_manifest_missing_a_field_is_a_clear_error(arms, tmp_path):
     d = save_capture(c, tmp_path / "cap")
     m = json.loads((d / "manifest.json").read_text())
     del m["schedule"]
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArchiveError, match="does not match its seal"):
+        load_capture(d)
+    m["seal"] = manifest_seal(m)  # resealed: the missing field itself is named
     (d / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ArchiveError, match="manifest lacks or mangles the field 'schedule'"):
         load_capture(d)

@@ -32,8 +32,9 @@ def test_mask_lattice_minimal_sets():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(k=0), "k must be >= 1"), (dict(mask=16), "phase mask"), (dict(mask=-1), "phase mask"),
-    (dict(ubatch=-1), "ubatch"), (dict(cap=0), "output cap"), (dict(k=4, k_max=3), "k_max")])
+    (dict(k=0), r"k must be an integer in 1\.\."), (dict(mask=16), "phase mask"), (dict(mask=-1), "phase mask"),
+    (dict(ubatch=-1), "ubatch"), (dict(cap=0), "output cap"), (dict(k=4, k_max=3), "k_max"),
+    (dict(max_queries=-2), "max queries")])
 def test_bad_spec_config(bad, match):
     with pytest.raises(ConfigError, match=match):
         SpecConfig(**bad)

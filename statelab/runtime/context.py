@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import ConfigError, DecodeError, ModelError
 from ..kvstate import KV_TYPE_NAMES, is_quantised
+from ..limits import check_threads, check_tokens
 from ..models import ModelInfo, read_model_info, resolve_model
 from .closing import Closing
 from .native import BACKENDS, devices_for_backend, llama, prepare_backend
@@ -37,8 +38,8 @@ class ContextConfig:
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         for name in ("n_ctx", "n_batch", "n_ubatch"):
-            if int(getattr(self, name)) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+            check_tokens(name, getattr(self, name))
+        check_threads("the thread count", self.n_threads)
         if self.n_ubatch > self.n_batch:
             raise ConfigError(f"n_ubatch ({self.n_ubatch}) must not exceed n_batch ({self.n_batch})")
         for name in ("type_k", "type_v"):
@@ -50,7 +51,14 @@ class ContextConfig:
 
     @property
     def threads(self) -> int:
-        return self.n_threads or int(os.environ.get("STATELAB_THREADS") or 0) or os.cpu_count() or 1
+        if self.n_threads:
+            return self.n_threads
+        env = os.environ.get("STATELAB_THREADS") or "0"
+        try:
+            n = check_threads("STATELAB_THREADS", int(env))
+        except ValueError:
+            raise ConfigError(f"STATELAB_THREADS must be an integer, got {env!r}") from None
+        return n or os.cpu_count() or 1
 
     def with_(self, **kw) -> "ContextConfig":
         return replace(self, **kw)
@@ -264,10 +272,11 @@ class Context(Closing):
         self.ptr = ptr
         self.n_ctx = L.llama_n_ctx(ptr)
         self.mem = L.llama_get_memory(ptr)
-        self._batch_cap = c.n_batch  # >= 1 (ContextConfig checks it)
-        self._batch = L.llama_batch_init(c.n_batch, 0, 1)
+        # llama.cpp itself caps n_batch at n_ctx: no decode call can be longer than the context
+        self._batch_cap = min(c.n_batch, self.n_ctx)  # >= 1 (ContextConfig checks it)
+        self._batch = L.llama_batch_init(self._batch_cap, 0, 1)
         # every row belongs to exactly one sequence: n_seq_id is written once here, not per decode
-        ones = np.ones(c.n_batch, dtype=np.int32)  # named: .ctypes.data does not keep the array alive
+        ones = np.ones(self._batch_cap, dtype=np.int32)  # named: .ctypes.data does not keep the array alive
         ctypes.memmove(self._batch.n_seq_id, ones.ctypes.data, ones.nbytes)
         self.n_vocab = model.n_vocab
         self._greedy = L.llama_sampler_init_greedy()
@@ -286,10 +295,10 @@ class Context(Closing):
         n = len(toks)
         if n == 0:
             raise ConfigError("decode needs at least one token")
-        if n > self._batch_cap:
-            raise ConfigError(f"a decode call of {n} tokens exceeds n_batch={self._batch_cap}")
         if pos0 < 0 or pos0 + n > self.n_ctx:
             raise ConfigError(f"positions {pos0}..{pos0 + n - 1} do not fit n_ctx={self.n_ctx}")
+        if n > self._batch_cap:
+            raise ConfigError(f"a decode call of {n} tokens exceeds n_batch={self._batch_cap}")
         if logits is None:
             want = np.zeros(n, dtype=bool)
             want[-1] = True

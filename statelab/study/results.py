@@ -350,8 +350,12 @@ def report_markdown(sdir: StudyDir, spec: dict, controls: dict, records: list[di
     return out
 
 
-def compile_study(out) -> tuple[xr.Dataset, str]:
-    """Recompile OUT/results.nc and OUT/report.md from the folder; returns (dataset, report)."""
+def compile_study(out, lock: bool = True) -> tuple[xr.Dataset, str]:
+    """Recompile OUT/results.nc and OUT/report.md from the folder; returns (dataset, report).
+    With ``lock`` it takes the folder's writer lock (refused while a run writes the folder)."""
+    if lock:
+        with StudyDir(out).writer(create=False):
+            return compile_study(out, lock=False)
     sdir, spec, controls, records, ok = load_state(out)
     ds = compile_dataset(spec, ok, records, controls)
     write_netcdf_atomic(ds, sdir.results_path)

@@ -56,21 +56,32 @@ def _controls_current(sdir: StudyDir, spec: StudySpec, prompt) -> dict | None:
     ctl = sdir.read_controls(prompt.id)
     if ctl is None or ctl.get("spec_hash") != spec.hash:
         return None
-    if not all((sdir.capture_dir(prompt.id, a) / "manifest.json").is_file() for a in spec.arms):
+    from ..archive import ArchiveError, load_capture
+
+    try:  # every arm's capture verifies (a damaged or older-format capture is formed again)
+        for a in spec.arms:
+            load_capture(sdir.capture_dir(prompt.id, a))
+    except ArchiveError:
         return None
     return ctl
 
 
 def run_study(spec_path, out=None, executor: str = "local", workers: int = 2, reporter: Reporter | None = None,
               spec: StudySpec | None = None) -> RunSummary:
-    from ..runtime import ContextConfig, Model, prepare_backend
-    from .results import compile_study
-
     rep = reporter or Reporter()
     t0 = time.perf_counter()
     spec = spec or load_spec(spec_path)  # every spec error surfaces here, before the folder is touched
     check_executor(executor, workers)
     sdir = StudyDir(out if out is not None else default_out(spec))
+    with sdir.writer():  # one writer per folder; a second one is refused here
+        return _run_locked(spec, sdir, executor, workers, rep, t0)
+
+
+def _run_locked(spec: StudySpec, sdir: StudyDir, executor: str, workers: int, rep: Reporter,
+                t0: float) -> RunSummary:
+    from ..runtime import ContextConfig, Model, prepare_backend
+    from .results import compile_study
+
     sdir.check(spec)
     probe_executor(executor)
 
@@ -120,7 +131,7 @@ def run_study(spec_path, out=None, executor: str = "local", workers: int = 2, re
                                 "cells_seconds": cells_seconds, "executor_overhead": overhead,
                                 "pid": os.getpid()}) + "\n")
     rep.phase("compiling results")
-    compile_study(sdir.root)
+    compile_study(sdir.root, lock=False)  # this process holds the lock
     return RunSummary(out=sdir.root, spec_hash=spec.hash, resumed=resumed, planned=len(tasks) + len(withheld),
                       withheld=len(withheld), skipped=len(tasks) - len(todo), ran=counts["ran"],
                       failed=counts["failed"], seconds=time.perf_counter() - t0, cells_seconds=cells_seconds,

@@ -8,7 +8,7 @@ Schema (top-level keys)::
     backend     = "cpu"                         # cpu | cuda | vulkan
     threads     = 1                             # CPU threads of each context (0: all cores)
     n_ctx       = 1024                          # context size
-    cap         = 32                            # output cap (generated tokens)
+    cap         = 32                            # output cap (generated tokens); required
     repeats     = 2                             # independent process repeats per coordinate
     prompts     = ["HumanEval/2", "file:x.txt", "text:..."]
     selectors   = ["EMPTY", "ALL", "L0_V", "my/sel.toml"]   # names on the selector path or .toml paths
@@ -37,7 +37,7 @@ from ..specfile import check_prompt_fits, spec_error
 FORMAT = "statelab.study/1"
 _TOP_KEYS = ("name", "description", "model", "backend", "threads", "n_ctx", "cap", "repeats", "prompts",
              "selectors", "directions", "arms")
-_REQUIRED = ("prompts", "selectors", "directions", "arms")
+_REQUIRED = ("cap", "prompts", "selectors", "directions", "arms")  # cap decides every endpoint: never implied
 
 
 class StudyError(ConfigError):
@@ -115,7 +115,7 @@ class StudySpec:
 
     @property
     def hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.normalized(), sort_keys=True).encode()).hexdigest()
+        return normalized_hash(self.normalized())
 
     def record(self) -> dict:
         """What OUT/spec.json holds: the hashed normal form plus where things were found."""
@@ -130,6 +130,11 @@ class StudySpec:
     def cell_keys(self) -> list[str]:
         return [cell_key(t, s, d, r) for t in self.task_ids for s in self.selector_names
                 for d in self.direction_labels for r in range(self.repeats)]
+
+
+def normalized_hash(normalized: dict) -> str:
+    """The spec hash: sha256 of the normalised spec's JSON with sorted keys."""
+    return hashlib.sha256(json.dumps(normalized, sort_keys=True).encode()).hexdigest()
 
 
 def cell_key(task: str, selector: str, direction: str, repeat: int) -> str:
@@ -226,4 +231,4 @@ def check_prompts_fit(spec: StudySpec, model) -> dict[str, int]:
 
 
 __all__ = ["FORMAT", "Direction", "StudyError", "StudySpec", "cell_key", "check_against_model",
-           "check_prompts_fit", "load_spec", "slug"]
+           "check_prompts_fit", "load_spec", "normalized_hash", "slug"]

@@ -1,6 +1,8 @@
 """A study's output folder and its durable cell log.
 
-    OUT/spec.json                   the normalised spec and its hash (a different spec is refused)
+    OUT/.lock                       held (flock) by the one process writing the folder
+    OUT/spec.json                   the normalised spec and its hash (a different spec is refused;
+                                    the hash is checked against the spec on every read)
     OUT/captures/<prompt>/<arm>/    each arm's capture, formed once (statelab.archive format)
     OUT/controls/<prompt>.json      natural endpoints, shams, EMPTY/ALL controls, withheld reason
     OUT/cells.jsonl                 one JSON line per finished cell (written, flushed, fsynced)
@@ -11,10 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from ..paths import atomic_write_text, read_json_record
-from .spec import FORMAT, StudyError, StudySpec, slug
+from ..paths import atomic_write_text, exclusive_lock, read_json_record
+from .spec import FORMAT, StudyError, StudySpec, normalized_hash, slug
+
+LOCK_NAME = ".lock"
 
 
 class StudyDir:
@@ -32,10 +38,40 @@ class StudyDir:
     def controls_path(self, prompt_id: str) -> Path:
         return self.root / "controls" / f"{slug(prompt_id)}.json"
 
+    # ------------------------------------------------------------------ writer lock
+    @contextmanager
+    def writer(self, create: bool = True) -> Iterator["StudyDir"]:
+        """Be the one process writing this folder (an OS lock on OUT/.lock, released when the
+        block ends or the process dies); another writer is refused at once with a StudyError.
+        ``create``: make the folder if missing (removed again if the block leaves it empty)."""
+        if not self.root.is_dir():
+            if not create or self.root.exists():
+                raise StudyError(f"{self.root} is not a study output folder (no spec.json)")
+            self.root.mkdir(parents=True)
+            made = True
+        else:
+            made = False
+        with exclusive_lock(self.root / LOCK_NAME, StudyError, f"study folder {self.root}"):
+            try:
+                yield self
+            finally:
+                if made and [p.name for p in self.root.iterdir()] == [LOCK_NAME]:
+                    (self.root / LOCK_NAME).unlink()
+                    self.root.rmdir()
+
     # ------------------------------------------------------------------ spec
     def read_spec(self) -> dict:
-        return read_json_record(self.spec_path, FORMAT, StudyError,
-                                missing="{folder} is not a study output folder (no spec.json)")
+        """OUT/spec.json, its normalised spec checked against its hash (an edit is refused)."""
+        rec = read_json_record(self.spec_path, FORMAT, StudyError,
+                               missing="{folder} is not a study output folder (no spec.json)")
+        try:
+            same = normalized_hash(rec["normalized"]) == rec["spec_hash"]
+        except (KeyError, TypeError, ValueError):
+            same = False
+        if not same:
+            raise StudyError(f"{self.spec_path}: the normalised spec does not match its hash (spec.json edited or "
+                             "damaged); restore it or name a new --out")
+        return rec
 
     def check(self, spec: StudySpec) -> bool:
         """Refuse a folder that holds another spec's results.  True when resuming."""
@@ -46,7 +82,7 @@ class StudyDir:
                     f"{self.root} holds results of a different study spec (hash {old['spec_hash'][:12]}, "
                     f"this spec {spec.hash[:12]}); name a new --out to run the changed spec")
             return True
-        if self.root.exists() and any(self.root.iterdir()):
+        if self.root.exists() and any(p.name != LOCK_NAME for p in self.root.iterdir()):
             raise StudyError(f"{self.root} exists, is not empty and holds no spec.json; name a new --out")
         return False
 
