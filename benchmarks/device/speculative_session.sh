@@ -10,7 +10,8 @@
 #   gemma              join the Gemma parts (g4 travels now)
 #   wait               wait for the build, doctor
 #   drafter [SPEC]     benchmarks/speculative.py on SPEC (default studies/spec-cuda-ngram.toml) with the
-#                      verify-cost sweep; results in $OUT/drafter.tgz
+#                      verify-cost sweep; results in $OUT/drafter.tgz. With BUDGET=S it starts no new
+#                      block after S seconds and the next call resumes it (the campaign lives in $W)
 #   weights            audit matmul (both models), qualification of the +W arms on Gemma 3 and SmolLM2,
 #                      the locator on Gemma 3; results in $OUT/weights.tgz
 set -uo pipefail
@@ -23,9 +24,9 @@ case "${1:-}" in
   wait) dev_wait && sl doctor --backend cuda | tail -25 ;;
   drafter)
     R=$OUT/drafter; mkdir -p "$R"
-    python3 benchmarks/speculative.py "${2:-studies/spec-cuda-ngram.toml}" --rows --no-write --out "$R/campaign" \
+    python3 benchmarks/speculative.py "${2:-studies/spec-cuda-ngram.toml}" --rows --no-write --out "$W/campaign" ${BUDGET:+--budget $BUDGET} \
       2>&1 | tee "$R/speculative.txt" | tail -60
-    tar -czf "$OUT/drafter.tgz" -C "$OUT" drafter
+    cp -r $W/campaign "$R/"; tar -czf "$OUT/drafter.tgz" -C "$OUT" drafter
     ;;
   weights)
     R=$OUT/weights; mkdir -p "$R"
