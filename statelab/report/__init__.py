@@ -77,6 +77,11 @@ def study_page(out, ds: xr.Dataset | None = None, markdown: str | None = None) -
     return page.write(out)
 
 
+def _components(ds: xr.Dataset) -> dict:
+    """panel -> (C1, C2) selector names of a frontier Dataset (its component list is EMPTY, C1, C2, BOTH)."""
+    return {str(p): tuple(str(c) for c in ds["component"].sel(panel=p).values[1:3]) for p in ds["panel"].values}
+
+
 def frontier_page(out, ds: xr.Dataset | None = None) -> Path:
     """OUT/report.html of a frontier run folder: the contrasts at every t*, then report.md
     (whose score plots in plots/ it shows in place)."""
@@ -92,7 +97,7 @@ def frontier_page(out, ds: xr.Dataset | None = None) -> Path:
                 f"backend {ds.attrs.get('backend', '?')}, cap {ds.attrs.get('cap', '?')}, "
                 f"{ds.attrs.get('repeats', '?')} process repeats, model {str(ds.attrs.get('model_sha256', ''))[:16]}",
                 markdown=_read_md(out))
-    page.add("frontier-contrasts", figures.frontier_contrasts(frontier_rows(ds)),
+    page.add("frontier-contrasts", figures.frontier_contrasts(frontier_rows(ds), _components(ds)),
              "Fixed-pair scores at t* of the four arms of every panel repeat with a frontier, with the additive "
              "prediction s(C1) + s(C2) - s(EMPTY); the grey bar is the interaction I = s(BOTH) - additive.")
     return page.write(out)
@@ -131,7 +136,7 @@ def demo_page(out, partition: xr.Dataset | None, matrix: xr.Dataset | None, fron
         page.add("class-matrix", figures.class_matrix(matrix, title="selector matrix: endpoint classes"),
                  "Selector matrix: class of every subset cross (rows selectors, columns prompt x direction x repeat).")
     if frontier is not None:
-        page.add("frontier-contrasts", figures.frontier_contrasts(frontier_rows(frontier)),
+        page.add("frontier-contrasts", figures.frontier_contrasts(frontier_rows(frontier), _components(frontier)),
                  "Frontier panels: scores at t* of EMPTY, C1, C2, BOTH and the additive prediction.")
     return page.write(out)
 

@@ -143,7 +143,7 @@ def margin_trajectories(ds: xr.Dataset, title: str = "") -> bytes:
         ax.set_ylabel("top-1 margin", fontsize=8)
         ax.set_title(t, fontsize=9, loc="left")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_xlabel("output index")
     fig.suptitle(title or "natural arms: top-1 margin per output", fontsize=10)
     return png_bytes(fig)
@@ -152,10 +152,11 @@ def margin_trajectories(ds: xr.Dataset, title: str = "") -> bytes:
 # ----------------------------------------------------------------------------- frontier contrasts
 
 
-def frontier_contrasts(rows: Sequence[dict], title: str = "") -> bytes:
+def frontier_contrasts(rows: Sequence[dict], components: dict | None = None, title: str = "") -> bytes:
     """One line per panel repeat with a frontier: the four arms' fixed-pair scores at t*
     (EMPTY, C1, C2, BOTH) and the additive prediction; the gap between BOTH and the
-    additive marker is the interaction I.  ``rows``: ``frontier_run.frontier_rows``."""
+    additive marker is the interaction I.  ``rows``: ``frontier_run.frontier_rows``;
+    ``components``: panel -> its (C1, C2) selector names, shown in the row labels."""
     rows = [r for r in rows if r.get("t_star", -1) >= 0 and "scores" in r]
     if not rows:
         return _message("no panel has a frontier within the cap: no contrast to draw")
@@ -170,8 +171,10 @@ def frontier_contrasts(rows: Sequence[dict], title: str = "") -> bytes:
     ax.hlines(y, np.minimum(scores[:, 3], additive), np.maximum(scores[:, 3], additive), color="grey",
               linewidth=2, alpha=0.6, label="interaction I")
     ax.axvline(0, color="grey", linewidth=0.6)
-    ax.set_yticks(y, [f"{r['task']} {r['panel']} {r['direction']} r{r['repeat']}  t*={r['t_star']}" for r in rows],
-                  fontsize=7)
+    comps = components or {}
+    ax.set_yticks(y, [f"{r['task']} {r['panel']}" + (" ({}/{})".format(*comps[r["panel"]]) if r["panel"] in comps
+                                                      else "") + f" {r['direction']} r{r['repeat']}  t*={r['t_star']}"
+                      for r in rows], fontsize=7)
     ax.set_xlabel("score at t* = logit(a) - logit(b)")
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)

@@ -60,9 +60,13 @@ class Page:
         self.figures.append(Figure(slug(name) + ".png", png, caption))
 
     def render(self) -> str:
+        title, md = self.title, self.markdown
+        first, _, rest = md.lstrip().partition("\n")
+        if first.startswith("# "):  # the report's own title heads the page, above the figures
+            title, md = first[2:].strip(), rest
         parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-                 f"<title>{html.escape(self.title)}</title><style>{_CSS}</style></head><body>",
-                 f"<h1>{html.escape(self.title)}</h1>"]
+                 f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+                 f"<h1>{html.escape(title)}</h1>"]
         if self.intro:
             parts.append(f'<p class="meta">{html.escape(self.intro)}</p>')
         if self.figures:
@@ -71,8 +75,8 @@ class Page:
             src = html.escape(f"{FIGURES}/{f.name}", quote=True)
             parts.append(f'<figure><img src="{src}" alt="{html.escape(f.caption, quote=True)}">'
                          f"<figcaption>{html.escape(f.caption)}</figcaption></figure>")
-        if self.markdown:
-            parts.append('<div class="report">' + markdown_html(self.markdown) + "</div>")
+        if md.strip():
+            parts.append('<div class="report">' + markdown_html(md) + "</div>")
         parts.append("</body></html>")
         return "\n".join(parts) + "\n"
 
