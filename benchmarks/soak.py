@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -129,7 +130,7 @@ def soak(mode: str, n: int, warmup: int, every: int, task: str, cap: int) -> dic
 
 def markdown(results: list[dict], args) -> str:
     cmd = (f"`.venv/bin/python benchmarks/soak.py --requests {args.requests} --warmup {args.warmup} "
-           f"--cap {args.cap} --task {args.task}`")
+           f"--cap {args.cap} --task {shlex.quote(args.task)}`")
     lines = [f"Command: {cmd} (STATELAB_THREADS=1)  ", f"Machine: {machine()}", "",
              f"One request: capture ({args.task}, schedule A, archived and loaded back verified) -> subset cross "
              f"L0_V + LATE into the recipient (schedule R, formed once) -> continue from the capture through the "
@@ -157,7 +158,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--every", type=int, default=25)
     ap.add_argument("--cap", type=int, default=8)
-    ap.add_argument("--task", default="HumanEval/2")
+    ap.add_argument("--task", default="text:def is_prime(n):", help="a short prompt keeps 1,000 requests cheap")
     ap.add_argument("--modes", default="in-process,worker")
     ap.add_argument("--json", type=Path, help="also write every sample here")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
