@@ -200,7 +200,7 @@ def forest(rows: Sequence[dict], threshold: float | None = None, title: str = ""
             colour = "#2b6cb0" if r.get("above_threshold") else "#4a5568"
             ax.hlines(yy, lo, hi, color=colour, linewidth=2)
             ax.plot([est], [yy], marker="s", color=colour, markersize=7)
-            ax.annotate(f"{est:.3f} [{lo:.3f}, {hi:.3f}]", xy=(hi, yy), xytext=(6, 0), textcoords="offset points",
+            ax.annotate(f"{est:.3f} [{lo:.3f}, {hi:.3f}]", xy=(hi, yy), xytext=(8, 0), textcoords="offset points",
                         va="center", fontsize=7)
             labels.append(r["ratio"])
         else:
@@ -209,8 +209,14 @@ def forest(rows: Sequence[dict], threshold: float | None = None, title: str = ""
     if threshold is not None:
         ax.axvline(threshold, color="#dd6b20", linestyle="--", linewidth=0.8, label=f"threshold {threshold:g}")
         ax.legend(fontsize=7, loc="lower right")
+    from matplotlib.ticker import FormatStrFormatter
+
+    ax.set_xscale("log")  # a ratio and its inverse sit symmetrically about 1
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    ax.tick_params(axis="x", which="minor", labelsize=7)
     ax.set_yticks(y, labels, fontsize=8)
-    ax.set_xlabel("request-time ratio (95% percentile bootstrap over sessions)")
+    ax.set_xlabel("request-time ratio, log scale (95% percentile bootstrap over sessions)")
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(title or "speculative campaign: request-time ratios", fontsize=10)
     return png_bytes(fig)
