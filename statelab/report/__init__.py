@@ -50,16 +50,28 @@ def _study_capture_pairs(out: Path, norm: dict) -> dict[str, tuple]:
     return pairs
 
 
+def _results(out: Path, ds: xr.Dataset | None, load, command: str) -> xr.Dataset:
+    if ds is not None:
+        return ds
+    if not (out / "results.nc").is_file():
+        raise ReportError(f"{out}: no results.nc (run `statelab {command} {out}` first)")
+    return load(out / "results.nc")
+
+
+def _add_profiles(page: Page, profiles: dict[str, xr.Dataset]) -> None:
+    if profiles:
+        page.add("kv-profile", figures.kv_profile(profiles, "natural states: per-layer K/V differences"),
+                 "Per-layer K/V difference of the natural states of the first two arms, per prompt "
+                 "(solid K, dashed V).")
+
+
 def study_page(out, ds: xr.Dataset | None = None, markdown: str | None = None) -> Path:
     """OUT/report.html of a study folder: class-matrix heatmap, the per-layer K/V profile
     of the natural arms' captures, then report.md."""
     from ..study.results import load_dataset
 
     out = Path(out)
-    if ds is None:
-        if not (out / "results.nc").is_file():
-            raise ReportError(f"{out}: no results.nc (run `statelab study report {out}` first)")
-        ds = load_dataset(out / "results.nc")
+    ds = _results(out, ds, load_dataset, "study report")
     page = Page(f"Study {ds.attrs.get('study', out.name)}",
                 f"backend {ds.attrs.get('backend', '?')}, cap {ds.attrs.get('cap', '?')}, model "
                 f"{str(ds.attrs.get('model_sha256', ''))[:16]}, spec {str(ds.attrs.get('spec_hash', ''))[:16]}",
@@ -69,11 +81,7 @@ def study_page(out, ds: xr.Dataset | None = None, markdown: str | None = None) -
              "(B reproduces the donor, C a third trajectory, D keeps the recipient; w/f/p: withheld, failed, pending).")
     from ..study.store import StudyDir
 
-    profiles = capture_profiles(_study_capture_pairs(out, StudyDir(out).read_spec()["normalized"]))
-    if profiles:
-        page.add("kv-profile", figures.kv_profile(profiles, "natural states: per-layer K/V differences"),
-                 "Per-layer K/V difference of the natural states of the first two arms, per prompt "
-                 "(solid K, dashed V).")
+    _add_profiles(page, capture_profiles(_study_capture_pairs(out, StudyDir(out).read_spec()["normalized"])))
     return page.write(out)
 
 
@@ -89,10 +97,7 @@ def frontier_page(out, ds: xr.Dataset | None = None) -> Path:
     from ..frontier_run import frontier_rows
 
     out = Path(out)
-    if ds is None:
-        if not (out / "results.nc").is_file():
-            raise ReportError(f"{out}: no results.nc (run `statelab frontier analyse {out}` first)")
-        ds = load_results(out / "results.nc")
+    ds = _results(out, ds, load_results, "frontier analyse")
     page = Page(f"Frontier panels: {ds.attrs.get('spec_name', out.name)}",
                 f"backend {ds.attrs.get('backend', '?')}, cap {ds.attrs.get('cap', '?')}, "
                 f"{ds.attrs.get('repeats', '?')} process repeats, model {str(ds.attrs.get('model_sha256', ''))[:16]}",
@@ -129,9 +134,7 @@ def demo_page(out, partition: xr.Dataset | None, matrix: xr.Dataset | None, fron
         profiles = {f"{t} {partition.attrs.get('pair', '')}": partition.sel(task=t)[["changed_bytes", "max_abs",
                                                                                      "l2", "l2_rel"]]
                     for t in partition.task.values}
-        page.add("kv-profile", figures.kv_profile(profiles, "natural states: per-layer K/V differences"),
-                 "Per-layer K/V difference of the natural states of the first two arms, per prompt "
-                 "(solid K, dashed V).")
+        _add_profiles(page, profiles)
     if matrix is not None:
         page.add("class-matrix", figures.class_matrix(matrix, title="selector matrix: endpoint classes"),
                  "Selector matrix: class of every subset cross (rows selectors, columns prompt x direction x repeat).")
