@@ -326,9 +326,8 @@ def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)
 @study_app.command("report")
 def study_report(out: Path = typer.Argument(..., help="a study output folder")):
     """Recompile results.nc and report.md from cells.jsonl (no model needed)."""
-    from .study import compile_study
-
     from .report import study_page
+    from .study import compile_study
 
     ds, md = compile_study(out)
     n_ok = int((ds.status.values == "ok").sum())
