@@ -135,7 +135,8 @@ def markdown(results: list[dict], args) -> str:
              f"One request: capture ({args.task}, schedule A, archived and loaded back verified) -> subset cross "
              f"L0_V + LATE into the recipient (schedule R, formed once) -> continue from the capture through the "
              f"common receiver; cap {args.cap}.  Growth is the last sample over the sample after {args.warmup} "
-             f"warm-up requests; goal < {GOAL:.0%}.", "",
+             f"warm-up requests; goal < {GOAL:.0%}. s/request is wall time on a machine that may run other jobs, "
+             "the modes one after the other: not a comparison of the modes.", "",
              "| mode | requests | s/request | RSS after warm-up | RSS last | RSS peak | RSS growth | fds after warm-up "
              "| fds last | fd growth | endpoints equal to the first | goal |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
