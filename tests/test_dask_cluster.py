@@ -118,12 +118,19 @@ def test_ci_study_on_a_real_dask_cluster_survives_a_killed_worker(tmp_path):
             if _lines(cells) >= 3:
                 running = _cell_children(victim)
                 if running:
-                    killed_cell = running[0].pid
-                    _kill_group(victim)
+                    killed_cell = running[0]
+                    tree = psutil.Process(victim.pid).children(recursive=True)
+                    _kill_group(victim)  # a lost machine: nanny, worker and the cell it runs
+                    for p in tree:
+                        try:
+                            p.kill()
+                        except psutil.NoSuchProcess:
+                            pass
                     break
             time.sleep(0.05)
         assert killed_cell is not None, "no cell was caught running on the worker:\n" + (logs / "study.log").read_text()
-        assert not psutil.pid_exists(killed_cell) or psutil.Process(killed_cell).status() == psutil.STATUS_ZOMBIE
+        gone, alive = psutil.wait_procs([killed_cell], timeout=30)
+        assert not alive, "the killed worker's cell process survived"
         n_at_kill = _lines(cells)
         assert n_at_kill < 32
         rc = study.wait(timeout=1800)
