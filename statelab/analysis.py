@@ -23,7 +23,7 @@ __all__ = [
     "selector_lattice", "non_monotone_pairs",
     "OrientationResult", "SeparabilityResult", "magnitude_separability",
     "Evaluation", "MinimalSelection", "minimal_sufficient_selection",
-    "BootstrapInterval", "bootstrap_ratio_interval",
+    "BootstrapInterval", "bootstrap_ratio_interval", "kv_profile_dataset",
 ]
 
 CLASSES = ("B", "C", "D")
@@ -472,3 +472,21 @@ def bootstrap_ratio_interval(session_log_contrasts: Sequence[float], n_resamples
     return BootstrapInterval(ratio=math.exp(mean), lower=math.exp(float(lo)), upper=math.exp(float(hi)),
                              mean_log=mean, n_sessions=int(x.size), n_resamples=int(n_resamples),
                              seed=int(seed), level=float(level))
+
+
+# --------------------------------------------------------------------------------------
+# per-layer K/V profiles
+
+
+def kv_profile_dataset(records: Sequence[dict]) -> xr.Dataset:
+    """``kvstate.StateDiff.records()`` as a (layer, component) Dataset."""
+    layers = sorted({int(r["layer"]) for r in records})
+    comps = sorted({str(r["component"]) for r in records})
+    shape = (len(layers), len(comps))
+    data = {v: np.zeros(shape, np.float64) for v in ("changed_bytes", "max_abs", "l2", "l2_rel")}
+    for r in records:
+        i, j = layers.index(int(r["layer"])), comps.index(str(r["component"]))
+        for v in data:
+            data[v][i, j] = float(r[v])
+    return xr.Dataset({v: (("layer", "component"), a) for v, a in data.items()},
+                      coords={"layer": layers, "component": comps})

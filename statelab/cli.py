@@ -240,7 +240,8 @@ def cross_(donor: Path = typer.Argument(..., help="donor capture"),
 
 
 @app.command()
-def diff(a: Path = typer.Argument(..., help="capture A"), b: Path = typer.Argument(..., help="capture B")):
+def diff(a: Path = typer.Argument(..., help="capture A"), b: Path = typer.Argument(..., help="capture B"),
+         plot: Optional[Path] = typer.Option(None, "--plot", help="also draw the per-layer K/V profile into this PNG")):
     """Per-layer table of differences between two captures' KV states."""
     from .api import comparable_states, difference_summary
     from .kvstate import compare
@@ -267,6 +268,10 @@ def diff(a: Path = typer.Argument(..., help="capture A"), b: Path = typer.Argume
         console.print(f"compared the first {s['compared_cells']} cells: one capture's tokens extend the other's "
                       f"({ca.n_prompt} and {cb.n_prompt} tokens)", markup=False, highlight=False)
 
+    if plot is not None:
+        from .report import diff_plot
+
+        console.print(f"plot: {diff_plot(ca, cb, d.records(), plot)}")
 
 # ---------------------------------------------------------------------------- interop (llama.cpp state files)
 def _optional_prompt(prompt, humaneval, prompt_file):
@@ -389,7 +394,9 @@ def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)
     console.print(f"{'resumed' if s.resumed else 'ran'} {s.out}: {s.ran} cells run ({s.failed} failed), "
                   f"{s.skipped} already done, {s.withheld} withheld, {s.seconds:.0f} s"
                   + (f", {s.cells_per_minute:.1f} cells/min" if s.ran else ""))
-    console.print(f"report: {s.report}\nresults: {s.results}")
+    from .report import study_page
+
+    console.print(f"report: {s.report}, {study_page(s.out)}\nresults: {s.results}")
     if s.failed:
         raise typer.Exit(1)
 
@@ -397,11 +404,13 @@ def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)
 @study_app.command("report")
 def study_report(out: Path = typer.Argument(..., help="a study output folder")):
     """Recompile results.nc and report.md from cells.jsonl (no model needed)."""
+    from .report import study_page
     from .study import compile_study
 
-    ds, _ = compile_study(out)
+    ds, md = compile_study(out)
     n_ok = int((ds.status.values == "ok").sum())
-    console.print(f"{n_ok} of {ds.status.size} cells done -> {out / 'report.md'}, {out / 'results.nc'}")
+    console.print(f"{n_ok} of {ds.status.size} cells done -> {out / 'report.md'}, {study_page(out, ds, md)}, "
+                  f"{out / 'results.nc'}")
 
 
 @study_app.command("minimal")
@@ -527,8 +536,10 @@ def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see
         console.print(f"incomplete: {res['blocks_done']} of {res['blocks']} blocks in {out}; run the same command "
                       "again to continue")
         raise typer.Exit(3)
+    from .report import campaign_page
+
     console.print(res["report"], markup=False, highlight=False)
-    console.print(f"results: {out}/results.nc, {out}/report.md")
+    console.print(f"results: {out}/results.nc, {out}/report.md, {campaign_page(out, res['contrasts'], spec.threshold)}")
 
 
 @spec_app.command("masks")
@@ -588,7 +599,10 @@ def frontier_run_(spec: Path = typer.Argument(..., help="frontier spec (studies/
     console.print(f"{s.out}: {s.ran} worker(s) run, {s.skipped} already done, {s.seconds:.0f} s; "
                   f"{s.n_frontiers} panel repeat(s) with a frontier; repeats agree on {s.agreement[0]} of "
                   f"{s.agreement[1]} compared contrasts", markup=False, highlight=False, soft_wrap=True)
-    console.print(f"report: {s.report}\nresults: {s.results}", markup=False, highlight=False, soft_wrap=True)
+    from .report import frontier_page
+
+    console.print(f"report: {s.report}, {frontier_page(s.out)}\nresults: {s.results}", markup=False, highlight=False,
+                  soft_wrap=True)
 
 
 @frontier_app.command("analyse")
@@ -602,8 +616,10 @@ def frontier_analyse_(results_dir: Path = typer.Argument(..., help="a frontier r
     console.print(f"{results_dir}: {r.n_frontiers} panel repeat(s) with a frontier; repeats agree on "
                   f"{a['n_agree']} of {a['n_compared']} compared contrasts", markup=False, highlight=False,
                   soft_wrap=True)
-    console.print(f"report: {paths['report']}\nresults: {paths['results']}", markup=False, highlight=False,
-                  soft_wrap=True)
+    from .report import frontier_page
+
+    console.print(f"report: {paths['report']}, {frontier_page(results_dir, r.ds)}\nresults: {paths['results']}",
+                  markup=False, highlight=False, soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------- audit / replay / locate

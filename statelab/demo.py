@@ -84,23 +84,30 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def frontier_section(model, base, prompts, cap: int = 48, console=None, directions=None) -> str:
+def frontier_section(model, base, prompts, cap: int = 48, console=None, directions=None,
+                     results_path: Path | None = None) -> str:
     """The L0 and POSITION frontier panels of ``prompts`` (Prompt objects or prompt specs) as a
     Markdown section: for the inputs where the selector matrix found donor effects.  Runs in
-    this process (one repeat per direction, cap ~48) with the arms that differ on the backend."""
+    this process (one repeat per direction, cap ~48) with the arms that differ on the backend;
+    the contrasts' Dataset is also saved to ``results_path`` when given."""
     from . import prompts as prompts_mod
     from .frontier_run import frontier_section as section
 
     ps = [prompts_mod.resolve(p) if isinstance(p, str) else p for p in prompts]
     say = (lambda msg: console.print(msg, markup=False, highlight=False)) if console is not None else (lambda msg: None)
-    return section(model, base, ps, cap, arms=arms_for(base.backend), directions=directions, say=say)
+    return section(model, base, ps, cap, arms=arms_for(base.backend), directions=directions, say=say,
+                   results_path=results_path)
 
 
 def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: int, out: Path,
         frontier_tasks: list[str] | None = None, frontier_cap: int = 48, matrix: bool = True,
         matrix_tasks: list[str] | None = None, matrix_cap: int = 48):
     from . import prompts
+    from .frontier import load_results
+    from .partition import partition_dataset
     from .receiver import check_cap
+    from .report import demo_page
+    from .study.results import load_dataset, write_netcdf_atomic
     from .runtime import ContextConfig, Model, prepare_backend
 
     check_cap(cap)
@@ -110,13 +117,14 @@ def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: 
     model = Model(model_path, backend=backend)
     base = ContextConfig(backend=backend, n_threads=threads)
     n_steps = len(ps) * (2 * len(arms) + 2 * (len(arms) - 1))
-    rows, t0 = [], time.perf_counter()
+    rows, results, t0 = [], [], time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=console, transient=True) as prog:
         task = prog.add_task(f"partition study ({', '.join(arms)})", total=n_steps)
         for p in ps:
-            res = study_prompt(model, p, arms, base, cap, progress=lambda: prog.advance(task))
+            res = study_prompt(model, p, arms, base, cap, progress=lambda: prog.advance(task), trace=True)
             rows += res.rows()
+            results.append(res)
     t = Table(title=f"partition study on {backend}: arms {', '.join(arms)}, cap {cap} "
                     f"({time.perf_counter() - t0:.0f} s)")
     for col in rows[0] if rows else []:
@@ -128,14 +136,24 @@ def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: 
                   "cross classes: B reproduces the donor, C third trajectory, D keeps the recipient.")
     report = (f"# statelab demo ({backend})\n\nmodel: {model.info.name} ({model.sha256[:16]})\n\n"
               f"## Partition study (arms {', '.join(arms)}, cap {cap})\n\n" + markdown_table(rows))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    partition = partition_dataset(results, backend, cap) if results else None
+    if partition is not None:
+        write_netcdf_atomic(partition, out / "partition.nc")
+    matrix_ds = frontier_ds = None
     if matrix:
         section, effects = selector_matrix(console, model_path, backend, arms, matrix_tasks or default_matrix_tasks(backend),
-                                           matrix_cap, threads, Path(out) / "selector-matrix")
+                                           matrix_cap, threads, out / "selector-matrix")
         report += "\n" + section
+        matrix_ds = load_dataset(out / "selector-matrix" / "results.nc")
         if frontier_tasks is None:
             frontier_tasks = effects
     if frontier_tasks:
-        report += "\n" + frontier_section(model, base, frontier_tasks, frontier_cap, console)
-    atomic_write_text(Path(out) / "report.md", report)
-    console.print(f"report: {Path(out) / 'report.md'}")
+        report += "\n" + frontier_section(model, base, frontier_tasks, frontier_cap, console,
+                                          results_path=out / "frontier.nc")
+        frontier_ds = load_results(out / "frontier.nc")
+    atomic_write_text(out / "report.md", report)
+    html = demo_page(out, partition, matrix_ds, frontier_ds)
+    console.print(f"report: {out / 'report.md'}, {html}")
     return rows

@@ -839,7 +839,7 @@ def write_outputs(out, result: Analysis) -> dict:
 
 def frontier_section(model, base_config, prompts: list, cap: int = 48, arms: dict | None = None,
                      directions: list[tuple[str, str]] | None = None, panels=("L0", "POSITION"),
-                     say=lambda msg: None) -> str:
+                     say=lambda msg: None, results_path=None) -> str:
     """The frontier panels of ``prompts`` as a Markdown section (``statelab demo``).
 
     In-process and one repeat per direction, to keep the demo cheap: ``statelab frontier run``
@@ -881,6 +881,8 @@ def frontier_section(model, base_config, prompts: list, cap: int = 48, arms: dic
                                  "all four arms are one trajectory")
             say(f"frontier panels {p.id} {donor}->{recip}: {len(pr.runs)} runs")
     ds = F.canonicalise(F.combine(datasets), reference_direction=f"{directions[0][0]}->{directions[0][1]}")
+    if results_path is not None:
+        F.save_results(ds, results_path)
     toks = {}
 
     def piece(task, tok):

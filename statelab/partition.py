@@ -18,6 +18,7 @@ class PromptResult:
     natural: dict = field(default_factory=dict)  # arm -> Endpoint
     sham: dict = field(default_factory=dict)  # arm -> Endpoint
     crosses: dict = field(default_factory=dict)  # (donor, recipient) -> (Endpoint, ImportAccount)
+    margins: dict = field(default_factory=dict)  # arm -> top-1 margin per output (with trace=True)
 
     @property
     def controls_pass(self) -> bool:
@@ -53,12 +54,18 @@ def cross_label(result, donor, recipient) -> str:
 
 
 def study_prompt(model, prompt, arms: dict[str, Schedule], base, cap: int = DEFAULT_CAP, crosses: bool = True,
-                 progress=None) -> PromptResult:
+                 progress=None, trace: bool = False) -> PromptResult:
     """Natural endpoints of every arm, own-path shams, and whole-KV crosses both ways
-    between the first arm and each other arm (only when the shams pass)."""
+    between the first arm and each other arm (only when the shams pass).  With ``trace``
+    the natural continuations keep each output's top-1 margin (the logits are dropped)."""
+    from .frontier import _top_two
+
     res = PromptResult(prompt.id, 0)
     for name, sched in arms.items():
-        cap_, ep = natural(model, prompt, sched, base, cap)
+        cap_, ep = natural(model, prompt, sched, base, cap, trace=trace)
+        if trace:
+            res.margins[name] = _top_two(ep.trace)[2]
+            ep.trace = None
         res.captures[name], res.natural[name] = cap_, ep
         res.n_prompt = cap_.n_prompt
         if progress:
@@ -96,3 +103,41 @@ def sweep(model, prompt, schedules: list[Schedule], base, cap: int = DEFAULT_CAP
             progress()
     return {"prompt": prompt.id, "rows": rows, "endpoint_classes": trajectory_classes(endpoints),
             "state_classes": trajectory_classes(states)}
+
+
+def partition_dataset(results: list[PromptResult], backend: str, cap: int):
+    """The natural arms of a partition study as an xarray Dataset: ``margin`` and ``token``
+    (task, arm, output; NaN / -1 past an endpoint), ``first_diff`` of the first two arms
+    (task; -1 equal), and the per-layer K/V differences of their states (task, layer,
+    component): ``changed_bytes``, ``max_abs``, ``l2``, ``l2_rel``.  Needs ``trace=True``."""
+    import numpy as np
+    import xarray as xr
+
+    from .analysis import kv_profile_dataset
+    from .kvstate import compare
+
+    arms = list(results[0].natural)
+    n_out = max(len(ep.tokens) for r in results for ep in r.natural.values())
+    margin = np.full((len(results), len(arms), n_out), np.nan)
+    token = np.full((len(results), len(arms), n_out), -1, np.int32)
+    first = np.full(len(results), -1, np.int64)
+    profiles = []
+    for i, r in enumerate(results):
+        if set(r.margins) != set(arms):
+            raise ValueError("partition_dataset needs study_prompt(..., trace=True) results")
+        for j, a in enumerate(arms):
+            margin[i, j, :len(r.margins[a])] = r.margins[a]
+            token[i, j, :len(r.natural[a].tokens)] = r.natural[a].tokens
+        fd = first_difference(r.natural[arms[0]].tokens, r.natural[arms[1]].tokens) if len(arms) > 1 else None
+        first[i] = -1 if fd is None else fd
+        other = arms[1] if len(arms) > 1 else arms[0]
+        profiles.append(kv_profile_dataset(compare(r.captures[arms[0]].state, r.captures[other].state).records()))
+    tasks = [r.prompt_id for r in results]
+    ds = xr.Dataset({"margin": (("task", "arm", "output"), margin, {"description": "top-1 minus top-2 logit"}),
+                     "token": (("task", "arm", "output"), token),
+                     "first_diff": (("task",), first, {"description": "first differing output of the first two "
+                                                       "arms' natural endpoints (-1 equal)"})},
+                    coords={"task": tasks, "arm": arms, "output": np.arange(n_out)})
+    ds = ds.merge(xr.concat(profiles, dim="task").assign_coords(task=tasks))
+    ds.attrs.update(backend=backend, cap=int(cap), pair=f"{arms[0]}/{arms[1] if len(arms) > 1 else arms[0]}")
+    return ds

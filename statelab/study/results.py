@@ -264,7 +264,7 @@ def separability_section(spec: dict, controls: dict) -> str:
                          pair["natural_first_diff"], "diverges" if div[name] else "stable"])
     text = ("Full-KV differences of the natural states, relative to the reference arm's state norm, against "
             "whether the natural endpoints diverge (paper S5.2).\n\n"
-            + _table(["input", "changed bytes", "max |d|", "L2 rel", "first differing layer", "natural first diff",
+            + _table(["input", "changed bytes", "max \\|d\\|", "L2 rel", "first differing layer", "natural first diff",
                       "endpoint"], rows))
     if not rows:
         return text
