@@ -315,13 +315,15 @@ def difference_summary(ca: Capture, cb: Capture, states: tuple[KVState, KVState]
     out = {"first_layer": -1, "first_position": -1, "first_component": "", "earliest_position": -1,
            "earliest_layer": -1}
     if differ.size:
+        # stored layers follow the blob (an iSWA state stores its full-cache layers first): report model layers
+        ids = np.asarray(sa.layer_ids or range(len(first_pos)), dtype=np.int64)
         big = np.iinfo(np.int64).max
         masked = np.where(first_pos >= 0, first_pos, big)
-        L = int(differ[0])
+        L = int(differ[np.argmin(ids[differ])])
         j = int(np.argmin(masked[L]))
-        out.update(first_layer=L, first_position=int(masked[L, j]), first_component="KV"[j])
-        lay = int(np.argmin(masked.min(axis=1)))
-        out.update(earliest_position=int(masked[lay].min()), earliest_layer=lay)
+        out.update(first_layer=int(ids[L]), first_position=int(masked[L, j]), first_component="KV"[j])
+        lay = int(np.lexsort((ids, masked.min(axis=1)))[0])
+        out.update(earliest_position=int(masked[lay].min()), earliest_layer=int(ids[lay]))
     out["tokens_equal"] = _first_token_difference(ca.tokens, cb.tokens) is None
     out["compared_cells"] = sa.n_cells  # fewer than a capture holds when it extends the other's tokens
     la, lb = np.asarray(ca.logits), np.asarray(cb.logits)

@@ -8,6 +8,7 @@ differ from layer 1 on and their natural endpoints differ at output 1 on HumanEv
 import numpy as np
 import pytest
 
+from statelab.api import difference_summary
 from statelab.errors import ConfigError, IdentityError
 from statelab.formation import PRESETS, form, parse_schedule
 from statelab.intervene import cross, natural, sham, subset_cross
@@ -77,6 +78,14 @@ def test_a_and_r_differ_and_whole_cross_reproduces_the_donor(gemma, arms):
     assert d.first_differing_layer == 1 and not ea.same(er)
     ep, acc = cross(gemma, ca, cr, logits_from="donor", cap=CAP)
     assert ep.same(ea) and acc.changed_bytes == d.changed_bytes
+
+
+def test_difference_summary_names_model_layers(arms):
+    """An iSWA blob stores its full-cache layers (5, 11, 17) first; the summary reports model layers."""
+    (ca, _), (cr, _) = arms["A"], arms["R"]
+    s = difference_summary(ca, cr)
+    assert s["first_layer"] == compare(ca.state, cr.state).first_differing_layer == 1
+    assert 0 <= s["earliest_layer"] < 18 and s["earliest_position"] <= s["first_position"]
 
 
 @pytest.mark.parametrize("selector, layers", [("FULL", FULL_LAYERS), ("SWA", SWA_LAYERS)])
