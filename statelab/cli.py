@@ -397,7 +397,10 @@ def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)
     from .report import study_page
 
     console.print(f"report: {s.report}, {study_page(s.out)}\nresults: {s.results}")
-    if s.failed:
+    if s.withheld:  # a failed control is a failed run, even though the report is written
+        err.print(f"controls failed: {s.withheld} cells withheld (reasons in {s.report})", markup=False,
+                  highlight=False)
+    if s.failed or s.withheld:
         raise typer.Exit(1)
 
 

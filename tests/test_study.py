@@ -267,8 +267,9 @@ def test_dask_local_cluster_gives_the_same_records(tiny_study, tmp_path):
 
 
 @pytest.mark.model
-def test_failed_control_withholds_the_prompt(tiny_study, tmp_path):
-    """A prompt whose controls failed gets no cell; its cells are recorded as withheld with the reason."""
+def test_failed_control_withholds_the_prompt(tiny_study, tmp_path, cli):
+    """A prompt whose controls failed gets no cell; its cells are recorded as withheld with the reason,
+    and `study run` exits 1 saying so."""
     spec, local = tiny_study
     out = _copy_without_cells(local, tmp_path / "withheld")
     ctl_path = StudyDir(out).controls_path("HumanEval/2")
@@ -282,3 +283,5 @@ def test_failed_control_withholds_the_prompt(tiny_study, tmp_path):
     report = (out / "report.md").read_text()
     assert "WITHHELD: arm R: sham differs from the natural endpoint at output 3" in report
     assert "0 done, 0 failed, 2 withheld, 0 pending" in report
+    r = cli("study", "run", spec, "--out", out)
+    assert r.returncode == 1 and "controls failed: 2 cells withheld" in r.stderr, (r.returncode, r.stderr)
