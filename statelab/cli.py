@@ -371,8 +371,12 @@ def demo(model: Optional[Path] = ModelOpt, backend: str = BackendOpt, cap: int =
     whole-KV crosses both ways) with arms that differ on this backend."""
     from . import demo as demo_mod
 
-    demo_mod.run(console, model, backend, cap, (tasks or demo_mod.default_tasks(backend)).split(","), threads, out,
-                 frontier_cap=matrix_cap, matrix=matrix, matrix_cap=matrix_cap)
+    rows = demo_mod.run(console, model, backend, cap, (tasks or demo_mod.default_tasks(backend)).split(","), threads,
+                        out, frontier_cap=matrix_cap, matrix=matrix, matrix_cap=matrix_cap)
+    bad = demo_mod.failed_controls(rows, out)
+    if bad:
+        err.print(f"FAILED CONTROL: {'; '.join(bad)}", markup=False, highlight=False)
+        raise typer.Exit(1)
 
 
 # ---------------------------------------------------------------------------- study

@@ -157,3 +157,18 @@ def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: 
     html = demo_page(out, partition, matrix_ds, frontier_ds)
     console.print(f"report: {out / 'report.md'}, {html}")
     return rows
+
+
+def failed_controls(rows: list[dict], out: Path) -> list[str]:
+    """The demo's controls that failed: partition-study shams, and selector-matrix cells withheld
+    because a prompt's controls failed (empty: all passed)."""
+    bad = [f"{r['prompt']} {r['pair']}: sham differs from the natural endpoint" for r in rows
+           if r.get("shams_ok") is False]
+    results = Path(out) / "selector-matrix" / "results.nc"
+    if results.is_file():
+        from .study.results import load_dataset
+
+        n = int((load_dataset(results).status.values == "withheld").sum())
+        if n:
+            bad.append(f"selector matrix: {n} cells withheld after failed controls")
+    return bad

@@ -186,8 +186,11 @@ def test_demo_and_diff_plot(tmp_path):
     from statelab import demo
 
     out = tmp_path / "demo"
-    demo.run(Console(file=open(tmp_path / "demo.log", "w")), None, "cpu", 8, ["HumanEval/86"], 1, out,
-             frontier_tasks=["HumanEval/86"], frontier_cap=4, matrix=False)
+    rows = demo.run(Console(file=open(tmp_path / "demo.log", "w")), None, "cpu", 8, ["HumanEval/86"], 1, out,
+                    frontier_tasks=["HumanEval/86"], frontier_cap=4, matrix=False)
+    assert demo.failed_controls(rows, out) == []
+    assert demo.failed_controls([dict(rows[0], shams_ok=False)], out) == [
+        f"{rows[0]['prompt']} {rows[0]['pair']}: sham differs from the natural endpoint"]
     html = check_page(out, 3)
     assert referenced_images(html) == ["figures/natural-margins.png", "figures/kv-profile.png",
                                        "figures/frontier-contrasts.png"]
