@@ -65,6 +65,7 @@ import numpy as np
 
 from . import specfile as sf
 from .errors import ConfigError, StatelabError
+from .paths import atomic_write_text, exclusive_lock, read_json_record
 from .specfile import check_prompt_fits, spec_error
 
 SPEC_FORMAT = "statelab.frontier-spec/1"
@@ -495,14 +496,17 @@ def _captures(spec: FrontierSpec, out: Path, say) -> None:
 def run_frontier(spec_path, out=None, workers: int = 1, say=lambda msg: None) -> RunSummary:
     """Run (or resume) a frontier spec: captures once, then one fresh worker process per
     (task, direction, repeat), then :func:`analyse_run` and the outputs."""
-    from .paths import atomic_write_text
-
     t0 = time.perf_counter()
     if workers < 1:
         raise FrontierRunError(f"--workers must be >= 1, got {workers}")
     spec = load_spec(spec_path)
     out = Path(out) if out is not None else Path("runs") / "frontier" / slug(spec.name)
     out.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(out / ".lock", FrontierRunError, f"frontier run folder {out}"):  # one writer per folder
+        return _run_frontier_locked(spec, out, workers, say, t0)
+
+
+def _run_frontier_locked(spec, out: Path, workers: int, say, t0: float) -> RunSummary:
     rec = spec.record()
     spath = out / "spec.json"
     if spath.is_file():
@@ -599,7 +603,6 @@ def _load_unit(out: Path, task: dict, direction: str, repeat: int):
 def analyse_run(out) -> Analysis:
     """Recompute the dataset of a run folder from its stored traces (no model needed)."""
     from . import frontier as F
-    from .paths import read_json_record
 
     out = Path(out)
     spec = read_json_record(out / "spec.json", SPEC_FORMAT, FrontierRunError,
@@ -759,7 +762,6 @@ def write_outputs(out, result: Analysis) -> dict:
     """results.nc, contrasts.md, report.md and plots/ (score plots around every t*)."""
     from . import frontier as F
     from .analysis import first_difference
-    from .paths import atomic_write_text
 
     out = Path(out)
     ds, agr, spec = result.ds, result.agreement, result.spec

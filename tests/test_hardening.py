@@ -26,6 +26,8 @@ from conftest import REPO, STATELAB, one_line_error, run_cli
 from statelab.archive import ArchiveError, load_capture, save_capture
 from statelab.errors import ConfigError, StatelabError
 from statelab.formation import PRESETS, Schedule, form, parse_schedule
+from statelab.frontier_run import FrontierRunError
+from statelab.paths import exclusive_lock
 from statelab.study import StudyDir, StudyError, load_spec
 
 # Names new with the hardening are imported inside the tests, so that on a tree without
@@ -479,3 +481,14 @@ def test_study_report_cleans_a_results_temporary(raced, tmp_path):
 def test_threads_from_the_environment_are_checked():
     one_line_error(run_cli("generate", "-p", "hi", "--cap", "2", env={"STATELAB_THREADS": "-3"}),
                    "STATELAB_THREADS", "0..512")
+
+
+def test_frontier_run_folder_has_one_writer(tmp_path):
+    """A frontier run folder in use by another process: the second run is refused in one line before it
+    writes anything (the holder here is this test process)."""
+    out = tmp_path / "fr"
+    out.mkdir()
+    with exclusive_lock(out / ".lock", FrontierRunError, "test holder"):
+        r = run_cli("frontier", "run", REPO / "studies" / "frontier-ci.toml", "--out", out)
+    one_line_error(r, "in use by another statelab process", str(out))
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
