@@ -18,7 +18,7 @@ import xarray as xr
 
 from .errors import ConfigError, IdentityError
 from .formation import Capture
-from .kvstate import KVState, check_same_geometry, compare
+from .kvstate import GGML_BF16, KVState, check_same_geometry, compare, values_f64
 from .receiver import DEFAULT_CAP, Endpoint
 
 CaptureLike = Capture | str | os.PathLike
@@ -59,9 +59,20 @@ def layer_positions(st: KVState, i: int) -> np.ndarray:
     return np.asarray(st.positions if f is None else f(i), dtype=np.int64)
 
 
-def _cells_heads(st: KVState, i: int, a: np.ndarray, trans: bool, head_dim: int) -> np.ndarray:
+def model_order(st: KVState) -> np.ndarray:
+    """Stored layer indices in model-layer order (an iSWA blob stores its full-cache layers first)."""
+    ids = st.layer_ids
+    if ids is None:
+        raise ConfigError("a multi-part state parsed without its memory layout: its stored layers cannot be "
+                          "named by model layer")
+    return np.argsort(np.asarray(ids), kind="stable")
+
+
+def _cells_heads(st: KVState, i: int, a: np.ndarray, trans: bool, head_dim: int, t: int) -> np.ndarray:
     """One layer's K or V values as (cell, kv_head, head_dim) over all the state's cells,
-    whatever their stored order; cells the layer does not store are NaN."""
+    whatever their stored order; cells the layer does not store are NaN. BF16 is widened to F32."""
+    if int(t) == GGML_BF16:
+        a = values_f64(a, t).astype(np.float32)
     if a.dtype.kind != "f":
         raise ConfigError(f"layer {i} stores quantised KV rows ({a.dtype}): no per-value view")
     cells_major = a.T if trans else a
@@ -89,9 +100,11 @@ def open_capture(path: CaptureLike, model_path=None, head_dim: int | None = None
     cap = load(path)
     st = cap.state
     hk, hv = (head_dim, head_dim) if head_dim else head_dims(cap, model_path)
-    k = np.stack([_cells_heads(st, i, a, False, hk) for i, a in enumerate(st.k)])
-    v = np.stack([_cells_heads(st, i, a, st.v_trans, hv) for i, a in enumerate(st.v)])
-    coords = {"layer": np.arange(st.n_layer), "cell": np.arange(st.n_cells),
+    order = model_order(st)
+    k = np.stack([_cells_heads(st, i, st.k[i], False, hk, st.k_types[i]) for i in order])
+    v = np.stack([_cells_heads(st, i, st.v[i], st.v_trans, hv, st.v_types[i]) for i in order])
+    coords = {"layer": np.asarray(st.layer_ids, np.int64)[order], "cell": np.arange(st.n_cells),
+              "layer_kind": ("layer", [st.layer_kinds[i] for i in order]),
               "position": ("cell", np.asarray(st.positions, np.int32)),
               "token": ("cell", np.asarray(cap.tokens, np.int32))}
     if k.shape == v.shape and k.dtype == v.dtype:
@@ -273,21 +286,25 @@ def diff(a: CaptureLike, b: CaptureLike) -> xr.Dataset:
     sa, sb = comparable_states(ca, cb)
     d = compare(sa, sb)
     rec = d.records()
-    layers = np.arange(sa.n_layer)
+    order = model_order(sa)
+    layers = np.asarray(sa.layer_ids, np.int64)[order]
     comps = ["K", "V"]
     cols = ("changed_bytes", "changed_values", "max_abs", "l2", "l2_rel")
     table = {c: np.zeros((len(layers), 2), dtype=np.float64 if c in ("max_abs", "l2", "l2_rel") else np.int64)
              for c in cols}
+    row = {int(m): j for j, m in enumerate(layers)}
     for r_ in rec:
         for c in cols:
-            table[c][r_["layer"], comps.index(r_["component"])] = r_[c]
+            table[c][row[r_["layer"]], comps.index(r_["component"])] = r_[c]
     first_cell = np.stack(first_differing_cells(sa, sb), axis=1)
     first_pos = _cell_positions(sa, first_cell)
     summary = difference_summary(ca, cb, (sa, sb), first_cell)
     ds = xr.Dataset({c: (("layer", "component"), v) for c, v in table.items()},
-                    coords={"layer": layers, "component": comps})
-    ds["first_cell"] = (("layer", "component"), first_cell)
-    ds["first_position"] = (("layer", "component"), first_pos)
+                    coords={"layer": layers, "component": comps,
+                            "layer_kind": ("layer", [sa.layer_kinds[i] for i in order])})
+    # first_cell indexes the cells of the layer's own cache part (a sliding-window cache holds fewer)
+    ds["first_cell"] = (("layer", "component"), first_cell[order])
+    ds["first_position"] = (("layer", "component"), first_pos[order])
     ds.attrs.update({k: _attr(v) for k, v in summary.items()})
     ds.attrs.update({"a": ca.prompt_id, "b": cb.prompt_id, "a_schedule": ca.schedule.name, "b_schedule": cb.schedule.name})
     return ds

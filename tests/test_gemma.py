@@ -8,7 +8,8 @@ differ from layer 1 on and their natural endpoints differ at output 1 on HumanEv
 import numpy as np
 import pytest
 
-from statelab.api import difference_summary
+from statelab.api import diff as api_diff
+from statelab.api import difference_summary, open_capture
 from statelab.errors import ConfigError, IdentityError
 from statelab.formation import PRESETS, form, parse_schedule
 from statelab.intervene import cross, natural, sham, subset_cross
@@ -86,6 +87,24 @@ def test_difference_summary_names_model_layers(arms):
     s = difference_summary(ca, cr)
     assert s["first_layer"] == compare(ca.state, cr.state).first_differing_layer == 1
     assert 0 <= s["earliest_layer"] < 18 and s["earliest_position"] <= s["first_position"]
+
+
+def test_api_dataset_and_diff_are_in_model_layer_order(arms):
+    """open_capture and api.diff put model layer L at layer=L, whatever the blob order."""
+    (ca, _), (cr, _) = arms["A"], arms["R"]
+    ds = open_capture(ca, head_dim=256)
+    assert ds.layer.values.tolist() == list(range(18))
+    assert [str(k) for k in ds.layer_kind.values] == ["full" if i in FULL_LAYERS else "swa" for i in range(18)]
+    st = ca.state
+    for stored, model_layer in enumerate(st.layer_ids):
+        k = ds.kv.sel(layer=model_layer, component="K").values
+        kept = ~np.isnan(k[:, 0, 0])
+        assert np.array_equal(k[kept].reshape(int(kept.sum()), -1), st.k[stored])
+    d = api_diff(ca, cr)
+    by_layer = {(r["layer"], r["component"]): r["changed_values"] for r in compare(ca.state, cr.state).records()}
+    assert {(int(L), c): int(d.changed_values.sel(layer=L, component=c)) for L in d.layer.values
+            for c in ("K", "V")} == by_layer
+    assert ((d.first_position.values >= 0) == (d.changed_values.values > 0)).all()
 
 
 @pytest.mark.parametrize("selector, layers", [("FULL", FULL_LAYERS), ("SWA", SWA_LAYERS)])
