@@ -339,7 +339,9 @@ def _source_logits(inc: Incoming, logits: str, n_vocab: int) -> np.ndarray | Non
     if logits == "recompute":
         return None
     lg = None if inc.logits is None else np.asarray(inc.logits, dtype=np.float32)
-    if lg is None or lg.shape != (n_vocab,) or not np.all(np.isfinite(lg)):
+    # a Llama made without logits_all=True never writes its scores: the row is uninitialised memory,
+    # all zeros in practice, which no model's logits are
+    if lg is None or lg.shape != (n_vocab,) or not np.all(np.isfinite(lg)) or np.ptp(lg) == 0:
         raise InteropError(f"{inc.source}: the source carries no usable logits (a file holds none; a Llama made "
                            "without logits_all=True keeps none): use logits='recompute' or 'none'")
     return lg

@@ -367,6 +367,23 @@ def test_llama_state_to_capture_equals_statelab_capture(model, base_config, arms
 
 
 @pytest.mark.model
+def test_llama_state_without_logits_all_has_no_state_logits(model, base_config, arms):
+    """Without logits_all llama-cpp-python never writes its scores: the saved row is uninitialised
+    (zeros), so logits='state' is refused instead of starting the continuation from token 0."""
+    from statelab.interop import InteropError, capture_from_llama_state
+
+    p, got = arms
+    llm = _llama(model, logits_all=False)
+    try:
+        llm.eval(got["A"][0].tokens.tolist())
+        state = llm.save_state()
+    finally:
+        llm.close()
+    with pytest.raises(InteropError, match="no usable logits"):
+        capture_from_llama_state(state, model, base_config, prompt=p, logits="state", source_backend="cpu")
+
+
+@pytest.mark.model
 def test_capture_to_llama_state_continues_in_llama(model, arms):
     from statelab.interop import capture_to_llama_state
 
