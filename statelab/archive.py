@@ -27,7 +27,7 @@ import numpy as np
 
 from .errors import IdentityError, StatelabError
 from .formation import Capture, Schedule
-from .paths import clean_stale_temporaries, read_json_record, temp_prefix
+from .paths import REPLACED, clean_stale_temporaries, read_json_record, temp_prefix
 
 FORMAT = "statelab.capture/2"  # /2: sealed manifest
 
@@ -77,13 +77,14 @@ def write_files_atomic(dest: Path, files: dict[str, bytes], manifest: dict, over
     the same format that holds nothing but its own files.  Temporary folders that a killed
     writer left for dest are removed first."""
     dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_temporaries(dest)  # first: it puts back an old version a killed replacing writer moved aside
     if dest.exists() or dest.is_symlink():
         if not overwrite:
             raise ArchiveError(f"output already exists: {dest} (choose another path or pass overwrite)")
         _check_replaceable(dest, manifest["format"])
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_temporaries(dest)
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(dest), dir=dest.parent))
+    old = None
     try:
         manifest = dict(manifest, files={name: _sha(data) for name, data in files.items()})
         manifest["seal"] = manifest_seal(manifest)
@@ -93,12 +94,17 @@ def write_files_atomic(dest: Path, files: dict[str, bytes], manifest: dict, over
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-        if dest.exists():
-            shutil.rmtree(dest)
+        if dest.exists():  # a folder cannot be renamed over a full one: the old one steps aside first
+            old = dest.with_name(temp_prefix(dest) + REPLACED)
+            os.replace(dest, old)
         os.replace(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not dest.exists():
+            os.replace(old, dest)
         raise
+    if old is not None:
+        shutil.rmtree(old)
     return dest
 
 

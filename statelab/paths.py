@@ -45,10 +45,15 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+REPLACED = "replaced"  # suffix of the previous version a replacing writer moved aside (see below)
+
+
 def clean_stale_temporaries(path: str | os.PathLike) -> list[Path]:
     """Remove the temporaries (files or folders) that a killed process left for ``path``:
     siblings named by :func:`temp_prefix` whose process no longer runs on this host.  Those
-    of live processes, of other hosts and every other name are left alone."""
+    of live processes, of other hosts and every other name are left alone.  A writer killed
+    while replacing ``path`` (after moving the old version aside as ``<prefix>replaced``, before
+    renaming the new one into place) leaves ``path`` missing: the old version is put back."""
     path = Path(path)
     prefix, host = f".{path.name}.", socket.gethostname()
     removed = []
@@ -61,6 +66,9 @@ def clean_stale_temporaries(path: str | os.PathLike) -> list[Path]:
             continue
         m = _OWNER.match(e.name[len(prefix):])
         if m is None or m["host"] != host or _process_alive(int(m["pid"])):
+            continue
+        if e.name.endswith(REPLACED) and not os.path.lexists(path):
+            os.replace(e.path, path)
             continue
         try:
             if e.is_dir(follow_symlinks=False):

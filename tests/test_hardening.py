@@ -492,3 +492,23 @@ def test_frontier_run_folder_has_one_writer(tmp_path):
         r = run_cli("frontier", "run", REPO / "studies" / "frontier-ci.toml", "--out", out)
     one_line_error(r, "in use by another statelab process", str(out))
     assert sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
+def test_a_replace_killed_between_its_renames_loses_nothing(tmp_path):
+    """A writer killed after moving the old archive aside and before renaming the new one into place
+    leaves no dest: the next write puts the old version back before it decides anything."""
+    from statelab.archive import read_verified, write_files_atomic
+    from statelab.paths import REPLACED
+
+    dest = tmp_path / "arch"
+    write_files_atomic(dest, {"a.bin": b"old"}, {"format": "statelab.test/1"})
+    dead = f".{dest.name}.{socket.gethostname()}-{2**22 + 12345}."  # no such pid on Linux (pid_max <= 2**22)
+    os.replace(dest, tmp_path / (dead + REPLACED))
+    (tmp_path / (dead + "half")).mkdir()  # the new version's folder, complete or not
+    with pytest.raises(ArchiveError, match="output already exists"):
+        write_files_atomic(dest, {"a.bin": b"new"}, {"format": "statelab.test/1"})
+    assert read_verified(dest, "statelab.test/1")[1]["a.bin"] == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["arch"]
+    write_files_atomic(dest, {"a.bin": b"new"}, {"format": "statelab.test/1"}, overwrite=True)
+    assert read_verified(dest, "statelab.test/1")[1]["a.bin"] == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["arch"]
