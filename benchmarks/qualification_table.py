@@ -23,7 +23,8 @@ def main(paths: list[str]) -> str:
     shown = [a for a in arms if a != "R"]
     out = ["| prompt | R length | " + " | ".join(shown) + " |", "| --- | --- | " + " | ".join("---" for _ in shown) + " |"]
     for prompt, by in rows:
-        cells = ["=" if by[a]["qualified"] else f"differs at {by[a]['first_diff']}" if a in by else "" for a in shown]
+        cells = ["" if a not in by else "=" if by[a]["qualified"] else f"differs at {by[a]['first_diff']}"
+                 for a in shown]
         out.append(f"| {prompt} | {by['R']['length']} | " + " | ".join(cells) + " |")
     total = [sum(bool(by.get(a, {}).get("qualified")) for _, by in rows) for a in shown]
     out.append("| qualified | | " + " | ".join(f"{t} of {len(rows)}" for t in total) + " |")

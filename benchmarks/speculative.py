@@ -29,7 +29,7 @@ import numpy as np
 from _report import machine, update_section
 
 from statelab.campaign import CampaignSpec, run_campaign
-from statelab.speculative import Arm, is_ngram
+from statelab.speculative import PATCHED_LAYOUTS, Arm, is_ngram
 
 GOAL = ("R", "C_QB", 1.5)
 
@@ -41,7 +41,7 @@ def rows_sweep(spec: CampaignSpec, rounds: int = 40) -> str:
 
     cfg = spec.spec_config()
     arm = next((Arm.parse(a) for a in spec.arms if Arm.parse(a).draft), Arm.parse("C_QB"))
-    layout = arm.layout if arm.layout in ("QB", "PQ") else "MQ"
+    layout = arm.layout if arm.layout in PATCHED_LAYOUTS else "MQ"
     prepare_backend(spec.backend)
     model = Model(spec.model, backend=spec.backend)
     rmax = cfg.rows
@@ -72,8 +72,9 @@ def rows_sweep(spec: CampaignSpec, rounds: int = 40) -> str:
             ts = [call(r) for _ in range(rounds)]
             fixed[r] = statistics.median(t for t, _ in ts)
             rm += [x for _, x in ts]
-        shapes = rng.permutation(np.resize(np.arange(1, rmax + 1), rounds * 2))
-        shapes[1:][shapes[1:] == shapes[:-1]] = shapes[1:][shapes[1:] == shapes[:-1]] % rmax + 1
+        # a random walk that never repeats the previous shape: each step adds 1..rmax-1 modulo rmax
+        steps = rng.integers(1, max(rmax, 2), size=rounds * 2)
+        shapes = (np.cumsum(steps) + int(rng.integers(rmax))) % rmax + 1
         changing: dict[int, list] = {}
         for r in shapes:  # the previous call had another shape: the graph is rebuilt
             changing.setdefault(int(r), []).append(call(int(r))[0])
@@ -113,6 +114,8 @@ def main():
     spec = CampaignSpec.load(spec_path, **over)
     opts = "".join(f" --{n.replace('_', '-')} {v}" for n, v in over.items() if v is not None)
     opts += " --rows" if a.rows else ""
+    if a.budget is not None and not a.out:
+        raise SystemExit("--budget needs --out: an unfinished campaign resumes from its folder")
     with tempfile.TemporaryDirectory() as tmp:
         res = run_campaign(spec, Path(a.out or tmp), budget_s=a.budget)
     if not res["complete"]:

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError
-from .paths import atomic_path, atomic_write_text
-from .speculative import Arm, SpecConfig, check_mask, is_ngram, parse_ngram
+from .paths import atomic_path, atomic_write_text, exclusive_lock
+from .speculative import PATCHED_LAYOUTS, Arm, SpecConfig, check_mask, is_ngram, parse_ngram
 
 DEFAULT_RATIOS = (("C_PQ", "C_QB"), ("C_GS", "C_QB"), ("C_QB", "M0"), ("R", "C_QB"))
 
@@ -62,6 +62,14 @@ class CampaignSpec:
     def validate(self) -> None:
         from . import prompts
 
+        types = {"prompts": list, "arms": list, "sessions": int, "repeats": int, "k": int, "ubatch": int, "mask": int,
+                 "cap": int, "backend": str, "threads": int, "model": (str, type(None)),
+                 "draft": (str, type(None)), "k_max": (int, type(None)), "fixed_rows": bool, "ratios": list,
+                 "threshold": (int, float), "seed": int, "resamples": int}
+        for name, want in types.items():
+            v = getattr(self, name)
+            if not isinstance(v, want) or (isinstance(v, bool) and want is int):
+                raise ConfigError(f"campaign spec: {name} = {v!r} has the wrong type")
         for a in self.arms:
             Arm.parse(a)
         if "R" not in self.arms:
@@ -77,6 +85,8 @@ class CampaignSpec:
         self.spec_config()  # its checks (k, ubatch, mask, cap)
         if self.sessions < 1 or self.repeats < 1:
             raise ConfigError("sessions and repeats must be >= 1")
+        if self.draft in (None, "", "none") and any(Arm.parse(a).draft for a in self.arms):
+            raise ConfigError(f"arms {[a for a in self.arms if Arm.parse(a).draft]} draft, but the spec names no drafter")
 
     def spec_config(self) -> SpecConfig:
         return SpecConfig(k=self.k, ubatch=self.ubatch, mask=self.mask, cap=self.cap, backend=self.backend,
@@ -365,12 +375,34 @@ def run_campaign(spec: CampaignSpec, out: Path, progress=None, budget_s: float |
     the same folder; with budget_s, no new block starts after that many seconds and the
     result says `complete: False` (run again to continue).  Reports are written once every
     block has run."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(out / ".lock", ConfigError, f"campaign folder {out}"):  # one writer: timings never overlap
+        return _run_campaign_locked(spec, out, progress, budget_s)
+
+
+def refused_arms(spec: CampaignSpec) -> dict[str, str]:
+    """Arms whose layout the target device would not run (its supports_op rejects the attention
+    products, which the scheduler would then run on the CPU): arm -> reason. Empty on the CPU."""
+    if spec.backend == "cpu" or not any(Arm.parse(a).layout in PATCHED_LAYOUTS for a in spec.arms):
+        return {}
+    from .audit.admission import device_refusal
+    from .runtime import Model
+
+    with Model(spec.model, backend=spec.backend) as m:
+        q = spec.spec_config().queries
+        why = {a: device_refusal(m, Arm.parse(a).layout, q) for a in spec.arms}
+    return {a: w for a, w in why.items() if w}
+
+
+def _run_campaign_locked(spec: CampaignSpec, out: Path, progress, budget_s: float | None) -> dict:
     import time
 
     from .study.store import CellLog, first_ok
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    refused = refused_arms(spec)
+    if refused:
+        raise ConfigError("; ".join(f"{a}: {w}" for a, w in refused.items()) + ": drop these arms from the campaign")
     draft = resolve_draft(spec.model, spec.draft) if any(Arm.parse(a).draft for a in spec.arms) else None
     jobs = plan(spec, draft)
     h = campaign_hash(spec, draft)
@@ -381,7 +413,7 @@ def run_campaign(spec: CampaignSpec, out: Path, progress=None, budget_s: float |
     done = first_ok(old, h)
     todo = [j for j in jobs if f"block-{j['block']}" not in done]
     t0 = time.monotonic()
-    run_requests(todo, progress, stop=(lambda: time.monotonic() - t0 > budget_s) if budget_s else None,
+    run_requests(todo, progress, stop=(lambda: time.monotonic() - t0 > budget_s) if budget_s is not None else None,
                  on_block=lambda job, recs: log.append({"key": f"block-{job['block']}", "status": "ok",
                                                         "spec_hash": h, "records": recs}))
     done = first_ok(log.records(), h)

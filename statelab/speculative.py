@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .errors import ConfigError, IdentityError
+from .errors import ConfigError, DecodeError, IdentityError
 from .limits import check_threads, check_tokens
 from .receiver import Endpoint, check_cap
 
@@ -107,6 +107,13 @@ class Counters:
     def counts(self) -> dict:
         """The counts alone (no times): equal for two arms that took the same steps."""
         return {k: v for k, v in asdict(self).items() if not k.startswith("t_")}
+
+
+def _remove_after(ctx, pos: int) -> None:
+    """Roll a context's cache back to the positions before ``pos`` (a rejected verify's rows)."""
+    if not ctx.seq_rm(0, pos, -1):
+        raise DecodeError(f"the KV memory refused to remove positions >= {pos}: a recurrent or hybrid memory "
+                          "cannot roll back a speculative verify")
 
 
 class PhaseGuard:
@@ -252,7 +259,7 @@ class ModelDrafter(Drafter):
     def settle(self, n_past: int, props: np.ndarray, accepted: int) -> None:
         k = len(props)
         if accepted < k:
-            self.d.seq_rm(0, n_past + accepted + 1, -1)
+            _remove_after(self.d, n_past + accepted + 1)
         elif k:  # all accepted: the draft has not yet consumed its last proposal
             with self.tx.guard.scope(self.d, "draft"):
                 self.d.decode(props[-1:], n_past + k, logits="none")
@@ -355,6 +362,7 @@ class Transaction:
             t0 = time.perf_counter()
             self.t.decode(tokens, pos0, logits="all")
             self.t.synchronize()  # the device's work counts as verify decode, not as sampling
+            t_dec = time.perf_counter()  # admission check and layout restore below are bookkeeping (python)
             self.c.target_callers += 1
             self.c.target_micrographs += _micrographs(rows, self.t.config.n_ubatch)
             if layout in PATCHED_LAYOUTS and rows > 1:
@@ -364,7 +372,7 @@ class Transaction:
                     self.c.layout_not_admitted += 1
         t1 = time.perf_counter()
         choices = self.t.argmax_rows(need)
-        self.c.t_verify += t1 - t0
+        self.c.t_verify += t_dec - t0
         self.c.t_sample += time.perf_counter() - t1
         return choices
 
@@ -453,7 +461,7 @@ class Transaction:
             kp.update(p, m)
             # the target's KV holds pending + props[:m] (+ rejected and padding rows): drop the rest
             if rows > m + 1:
-                self.t.seq_rm(0, n_past + m + 1, -1)
+                _remove_after(self.t, n_past + m + 1)
             if m < p:
                 c.rollbacks += 1
             self.drafter.settle(n_past, props, m)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from statelab.campaign import CampaignSpec, mask_lattice, prompt_key, qualify_records, report_markdown
+from statelab.campaign import CampaignSpec, mask_lattice, prompt_key, qualify_records, report_markdown, run_campaign
 from statelab.errors import ConfigError, IdentityError
 from statelab.speculative import (AdaptiveK, Arm, NgramDrafter, PhaseGuard, Runner, SpecConfig, parse_ngram,
                                   qualify)
@@ -323,7 +323,6 @@ def test_bad_ngram_draft_is_one_line(cli):
 def test_campaign_resumes_from_its_block_log(tmp_path):
     """A campaign cut short by its budget keeps its finished blocks and continues where it
     stopped; a changed spec is refused in the same folder."""
-    from statelab.campaign import run_campaign
 
     spec = CampaignSpec(prompts=["HumanEval/3"], arms=["R", "C_QB"], sessions=1, repeats=1, cap=6, threads=1,
                         draft="ngram", ratios=[])
@@ -336,3 +335,25 @@ def test_campaign_resumes_from_its_block_log(tmp_path):
     spec.cap = 7
     with pytest.raises(ConfigError, match="another campaign"):
         run_campaign(spec, tmp_path)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("sessions", "2", "sessions = '2' has the wrong type"), ("draft", 5, "draft = 5 has the wrong type"),
+    ("fixed_rows", "false", "fixed_rows = 'false' has the wrong type"), ("k", True, "k = True has the wrong type"),
+    ("draft", "none", "the spec names no drafter")])
+def test_campaign_spec_values_are_checked(field, value, match):
+    spec = CampaignSpec(prompts=["HumanEval/3"], arms=["R", "C_QB"])
+    setattr(spec, field, value)
+    with pytest.raises(ConfigError, match=match):
+        spec.validate()
+
+
+def test_a_campaign_folder_has_one_writer(tmp_path):
+    """A second campaign on the same --out is refused before it plans anything (timings never overlap)."""
+    from statelab.paths import exclusive_lock
+
+    spec = CampaignSpec(prompts=["HumanEval/3"], arms=["R", "M_QB"], sessions=1, cap=2, threads=1)
+    with exclusive_lock(tmp_path / ".lock", ConfigError, "test holder"):
+        with pytest.raises(ConfigError, match="in use by another statelab process"):
+            run_campaign(spec, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]

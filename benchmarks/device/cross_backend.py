@@ -37,13 +37,13 @@ def main() -> None:
     backends = a.backends.split(",")
     a.out.mkdir(parents=True, exist_ok=True)
     for b in backends:
-        cap_dir = a.out / f"cap_{b}_{a.schedule}"
+        cap_dir = a.out / f"cap_{b}_{a.schedule}_he{a.humaneval}"
         if not cap_dir.exists():
             sl("capture", str(cap_dir), "-H", a.humaneval, "-s", a.schedule, "--backend", b)
     ep = {}
     for donor in backends:
         for rec in backends:
-            args = ["continue", str(a.out / f"cap_{donor}_{a.schedule}"), "--backend", rec, "--cap", str(a.cap), "--json"]
+            args = ["continue", str(a.out / f"cap_{donor}_{a.schedule}_he{a.humaneval}"), "--backend", rec, "--cap", str(a.cap), "--json"]
             if donor != rec:
                 args.append("--allow-backend")
             ep[donor, rec] = json.loads(sl(*args))
