@@ -362,11 +362,21 @@ def report_markdown(spec: CampaignSpec, records: list[dict], rows: list[dict]) -
     return "\n".join(lines) + "\n"
 
 
+ANALYSIS_FIELDS = ("ratios", "threshold", "seed", "resamples")  # change the report, not a block
+
+
 def campaign_hash(spec: CampaignSpec, draft: str | None) -> str:
-    """Identity of a campaign's plan: its spec and the resolved drafter."""
+    """Identity of what a campaign's blocks measured: the spec's block fields, every prompt's id
+    and text hash, the target model's sha256 and the resolved drafter (analysis-only fields may
+    change between runs of one folder)."""
     import hashlib
 
-    return hashlib.sha256(json.dumps([asdict(spec), draft], sort_keys=True).encode()).hexdigest()
+    from .models import model_sha256, resolve_model
+
+    fields = {k: v for k, v in asdict(spec).items() if k not in ANALYSIS_FIELDS}
+    fields["prompts"] = [key for _, key in spec.prompt_table()]
+    fields["model"] = model_sha256(resolve_model(spec.model))
+    return hashlib.sha256(json.dumps([fields, draft], sort_keys=True).encode()).hexdigest()
 
 
 def run_campaign(spec: CampaignSpec, out: Path, progress=None, budget_s: float | None = None) -> dict:

@@ -394,13 +394,13 @@ def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)
     from .study import run_study
     from .study.progress import RichReporter
 
-    s = run_study(spec, out, executor, workers, RichReporter(err))
+    from .report import study_page
+
+    s = run_study(spec, out, executor, workers, RichReporter(err), on_compiled=study_page)
     console.print(f"{'resumed' if s.resumed else 'ran'} {s.out}: {s.ran} cells run ({s.failed} failed), "
                   f"{s.skipped} already done, {s.withheld} withheld, {s.seconds:.0f} s"
                   + (f", {s.cells_per_minute:.1f} cells/min" if s.ran else ""))
-    from .report import study_page
-
-    console.print(f"report: {s.report}, {study_page(s.out)}\nresults: {s.results}")
+    console.print(f"report: {s.report}, {s.page}\nresults: {s.results}")
     if s.withheld:  # a failed control is a failed run, even though the report is written
         err.print(f"controls failed: {s.withheld} cells withheld (reasons in {s.report})", markup=False,
                   highlight=False)
@@ -414,9 +414,9 @@ def study_report(out: Path = typer.Argument(..., help="a study output folder")):
     from .report import study_page
     from .study import compile_study
 
-    ds, md = compile_study(out)
+    ds, md = compile_study(out, on_compiled=study_page)  # the page too is written under the folder's lock
     n_ok = int((ds.status.values == "ok").sum())
-    console.print(f"{n_ok} of {ds.status.size} cells done -> {out / 'report.md'}, {study_page(out, ds, md)}, "
+    console.print(f"{n_ok} of {ds.status.size} cells done -> {out / 'report.md'}, {out / 'report.html'}, "
                   f"{out / 'results.nc'}")
 
 

@@ -357,3 +357,18 @@ def test_a_campaign_folder_has_one_writer(tmp_path):
         with pytest.raises(ConfigError, match="in use by another statelab process"):
             run_campaign(spec, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
+
+
+def test_campaign_hash_follows_what_the_blocks_measured(tmp_path):
+    """Analysis-only fields may change in a resumed folder; a prompt file's text may not."""
+    from statelab.campaign import campaign_hash
+
+    f = tmp_path / "p.txt"
+    f.write_text("def add(a, b):\n")
+    spec = CampaignSpec(prompts=[f"file:{f}"], arms=["R", "M_QB"])
+    h = campaign_hash(spec, None)
+    for k, v in (("threshold", 1.5), ("seed", 7), ("resamples", 100), ("ratios", [])):
+        assert campaign_hash(CampaignSpec(**{**spec.__dict__, k: v}), None) == h
+    assert campaign_hash(CampaignSpec(**{**spec.__dict__, "cap": 65}), None) != h
+    f.write_text("def sub(a, b):\n")
+    assert campaign_hash(spec, None) != h

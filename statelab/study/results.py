@@ -350,12 +350,16 @@ def report_markdown(sdir: StudyDir, spec: dict, controls: dict, records: list[di
     return out
 
 
-def compile_study(out, lock: bool = True) -> tuple[xr.Dataset, str]:
+def compile_study(out, lock: bool = True, on_compiled=None) -> tuple[xr.Dataset, str]:
     """Recompile OUT/results.nc and OUT/report.md from the folder; returns (dataset, report).
-    With ``lock`` it takes the folder's writer lock (refused while a run writes the folder)."""
+    With ``lock`` it takes the folder's writer lock (refused while a run writes the folder) and
+    calls ``on_compiled(out, dataset, report)`` before releasing it."""
     if lock:
         with StudyDir(out).writer(create=False):
-            return compile_study(out, lock=False)
+            ds, md = compile_study(out, lock=False)
+            if on_compiled:
+                on_compiled(out, ds, md)
+            return ds, md
     sdir, spec, controls, records, ok = load_state(out)
     ds = compile_dataset(spec, ok, records, controls)
     write_netcdf_atomic(ds, sdir.results_path)

@@ -42,6 +42,7 @@ class RunSummary:
     report: Path
     results: Path
     executor_startup_s: float = 0.0  # Dask cluster/client start, inside cells_seconds
+    page: Path | None = None  # what on_compiled returned (report.html), written under the lock
 
     @property
     def cells_per_minute(self) -> float:
@@ -67,18 +68,20 @@ def _controls_current(sdir: StudyDir, spec: StudySpec, prompt) -> dict | None:
 
 
 def run_study(spec_path, out=None, executor: str = "local", workers: int = 2, reporter: Reporter | None = None,
-              spec: StudySpec | None = None) -> RunSummary:
+              spec: StudySpec | None = None, on_compiled=None) -> RunSummary:
+    """Run (or resume) a study; ``on_compiled(out, dataset, report)`` runs once the results are
+    compiled, still holding the folder's writer lock (e.g. the HTML page and its figures)."""
     rep = reporter or Reporter()
     t0 = time.perf_counter()
     spec = spec or load_spec(spec_path)  # every spec error surfaces here, before the folder is touched
     check_executor(executor, workers)
     sdir = StudyDir(out if out is not None else default_out(spec))
     with sdir.writer():  # one writer per folder; a second one is refused here
-        return _run_locked(spec, sdir, executor, workers, rep, t0)
+        return _run_locked(spec, sdir, executor, workers, rep, t0, on_compiled)
 
 
 def _run_locked(spec: StudySpec, sdir: StudyDir, executor: str, workers: int, rep: Reporter,
-                t0: float) -> RunSummary:
+                t0: float, on_compiled=None) -> RunSummary:
     from ..runtime import ContextConfig, Model, prepare_backend
     from .results import compile_study
 
@@ -131,12 +134,13 @@ def _run_locked(spec: StudySpec, sdir: StudyDir, executor: str, workers: int, re
                                 "cells_seconds": cells_seconds, "executor_overhead": overhead,
                                 "pid": os.getpid()}) + "\n")
     rep.phase("compiling results")
-    compile_study(sdir.root, lock=False)  # this process holds the lock
+    ds, md = compile_study(sdir.root, lock=False)  # this process holds the lock
+    page = on_compiled(sdir.root, ds, md) if on_compiled else None
     return RunSummary(out=sdir.root, spec_hash=spec.hash, resumed=resumed, planned=len(tasks) + len(withheld),
                       withheld=len(withheld), skipped=len(tasks) - len(todo), ran=counts["ran"],
                       failed=counts["failed"], seconds=time.perf_counter() - t0, cells_seconds=cells_seconds,
                       report=sdir.report_path, results=sdir.results_path,
-                      executor_startup_s=overhead.get("startup_s", 0.0))
+                      executor_startup_s=overhead.get("startup_s", 0.0), page=page)
 
 
 def minimal_selection(spec_path, prompt: str, direction: str, out=None, refine: bool = True, progress=None) -> dict:
