@@ -53,12 +53,6 @@ def head_dims(capture: Capture, model_path=None) -> tuple[int, int]:
     return info.head_dim_k, info.head_dim_v
 
 
-def layer_positions(st: KVState, i: int) -> np.ndarray:
-    """The positions of the cells layer ``i`` stores (a sliding-window cache holds fewer)."""
-    f = getattr(st, "layer_positions", None)
-    return np.asarray(st.positions if f is None else f(i), dtype=np.int64)
-
-
 def model_order(st: KVState) -> np.ndarray:
     """Stored layer indices in model-layer order (an iSWA blob stores its full-cache layers first)."""
     ids = st.layer_ids
@@ -83,7 +77,7 @@ def _cells_heads(st: KVState, i: int, a: np.ndarray, trans: bool, head_dim: int,
     if n == st.n_cells:
         return vals
     out = np.full((st.n_cells,) + vals.shape[1:], np.nan, dtype=vals.dtype)
-    out[np.searchsorted(np.asarray(st.positions), layer_positions(st, i))] = vals
+    out[np.searchsorted(np.asarray(st.positions), np.asarray(st.layer_positions(i)))] = vals
     return out
 
 
@@ -249,8 +243,8 @@ def _first_token_difference(ta: np.ndarray, tb: np.ndarray) -> int | None:
 def prefix_state(st: KVState, n: int) -> KVState:
     """The state's first ``n`` cells (positions 0..n-1): a prompt's part of a state that also
     holds generated tokens (a server slot saved after a completion)."""
-    parts = getattr(st, "parts", None)
-    if parts and len(parts) > 1:
+    parts = st.parts
+    if len(st.part_list) > 1:
         raise IdentityError("a state of several caches (iSWA) is compared only with one of the same length")
     idx = np.flatnonzero(np.asarray(st.positions) < n)
     if len(idx) != n:
@@ -314,7 +308,7 @@ def _cell_positions(st: KVState, cells: np.ndarray) -> np.ndarray:
     """(layer, component) cell indices -> the positions those cells hold (-1 stays -1)."""
     out = np.full(cells.shape, -1, dtype=np.int64)
     for i in np.flatnonzero((cells >= 0).any(axis=1)):
-        pos = layer_positions(st, int(i))
+        pos = np.asarray(st.layer_positions(int(i)), dtype=np.int64)
         ok = cells[i] >= 0
         out[i, ok] = pos[cells[i, ok]]
     return out

@@ -178,7 +178,7 @@ def _memory_part(blob: bytes, n_stream: int = 1) -> bytes:
         raise InteropError(f"the capture's state is for sequence {st.seq_id}, expected 0")
     if n_stream == 1:
         return bytes(blob[8:])
-    if len(getattr(st, "parts", None) or [st]) != 1:
+    if len(st.part_list) != 1:
         raise InteropError("a state of several caches (iSWA) is written with one stream only")
     return struct.pack("<I", n_stream) + blob[12:] + bytes(4 * (n_stream - 1))
 
@@ -233,8 +233,7 @@ def sequence_zero_state(memory: bytes, source: str) -> KVState:
         st = KVState.parse(struct.pack("<Ii", SEQ_STATE_MAGIC, -1) + memory)
     except KVFormatError as e:
         raise InteropError(f"{source}: the state does not parse: {e}") from None
-    parts = getattr(st, "parts", None) or [st]  # a codec that knows cache parts (iSWA) lists each
-    seqs = [p.seq_ids for p in parts if len(p.seq_ids)]
+    seqs = [p.seq_ids for p in st.part_list if len(p.seq_ids)]  # every cache part (iSWA: two)
     counts = np.concatenate([np.fromiter((len(x) for x in s), dtype=np.int64, count=len(s)) for s in seqs]) \
         if seqs else np.zeros(0, np.int64)
     ids = np.concatenate([np.concatenate(s) for s in seqs]) if seqs else np.zeros(0, np.int32)
@@ -245,7 +244,7 @@ def sequence_zero_state(memory: bytes, source: str) -> KVState:
     out = st.copy()
     out.seq_id = 0
     out.seq_ids = tuple(np.zeros((st.n_cells, 1), dtype=np.int32))
-    if getattr(out, "parts", None):
+    if out.parts:
         out.parts = [replace(p, seq_ids=tuple(np.zeros((p.n_cells, 1), dtype=np.int32))) for p in out.parts]
     return out
 
