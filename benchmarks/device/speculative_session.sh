@@ -12,9 +12,6 @@
 #   drafter [SPEC]     benchmarks/speculative.py on SPEC (default studies/spec-cuda-ngram.toml) with the
 #                      verify-cost sweep; results in $OUT/drafter.tgz. With BUDGET=S it starts no new
 #                      block after S seconds and the next call resumes it (the campaign lives in $W)
-#   wheelback          the built CUDA wheel in 15 MiB parts (cwhl.*) and its sha256 under $OUT, so a later
-#                      session installs it with `wheel` instead of compiling again
-#   wheel              (a later session, instead of setup + wait) install the wheel parts carried in .dev/cwhl/
 #   weights            audit matmul (both models), qualification of the +W arms on Gemma 3 and SmolLM2,
 #                      the locator on Gemma 3; results in $OUT/weights.tgz
 set -uo pipefail
@@ -31,22 +28,10 @@ case "${1:-}" in
       2>&1 | tee "$R/speculative.txt" | tail -60
     cp -r $W/campaign "$R/"; tar -czf "$OUT/drafter.tgz" -C "$OUT" drafter
     ;;
-  wheelback)
-    whl=$(tail -1 $W/build.log); cp "$whl" /tmp/ && (cd /tmp && sha256sum "$(basename "$whl")" > $OUT/cwhl.sha256)
-    split -b 15M "$whl" $OUT/cwhl. && ls -la $OUT
-    ;;
-  wheel)
-    mkdir -p $W /opt/site
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site .dev/whl/*.whl
-    name=$(awk '{print $2}' .dev/cwhl/cwhl.sha256); cat .dev/cwhl/cwhl.?? > /tmp/$name
-    sums=$PWD/.dev/cwhl/cwhl.sha256; (cd /tmp && sha256sum -c "$sums") || exit 1
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site --upgrade /tmp/$name
-    sl doctor --backend cuda | head -12
-    ;;
   weights)
     R=$OUT/weights; mkdir -p "$R"
     SMOL=$W/model.gguf GEMMA=$W/gemma.gguf OUT=$R bash benchmarks/device/cuda_weights.sh "${2:-audit}" 2>&1 | tail -40
     tar -czf "$OUT/weights_${2:-audit}.tgz" -C "$OUT" weights
     ;;
-  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|wheelback|wheel|drafter [SPEC]|weights [audit|qualify|locate|campaign]" >&2; exit 2 ;;
+  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|drafter [SPEC]|weights [audit|qualify|locate|campaign]" >&2; exit 2 ;;
 esac
