@@ -4,17 +4,24 @@ processes, counterbalanced blocks, session-level log contrasts with a percentile
 from __future__ import annotations
 
 import json
+import time
 import tomllib
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError
+from . import prompts
+from .analysis import bootstrap_ratio_interval, first_difference
+from .derive import derive_truncated
+from .errors import ConfigError, StatelabError
+from .experiments.forkserver import ForkServer
+from .models import model_sha256, resolve_model
 from .paths import atomic_path, atomic_write_text, exclusive_lock
-from .speculative import PATCHED_LAYOUTS, Arm, SpecConfig, check_mask, is_ngram, parse_ngram
+from .paths import cache_dir as default_cache
+from .runtime import Model, prepare_backend
+from .speculative import PATCHED_LAYOUTS, Arm, Runner, SpecConfig, check_draft_paths, check_mask, is_ngram, parse_ngram
+from .study.store import CellLog, first_ok
 
 DEFAULT_RATIOS = (("C_PQ", "C_QB"), ("C_GS", "C_QB"), ("C_QB", "M0"), ("R", "C_QB"))
 
@@ -60,7 +67,6 @@ class CampaignSpec:
         return spec
 
     def validate(self) -> None:
-        from . import prompts
 
         types = {"prompts": list, "arms": list, "sessions": int, "repeats": int, "k": int, "ubatch": int, "mask": int,
                  "cap": int, "backend": str, "threads": int, "model": (str, type(None)),
@@ -94,7 +100,6 @@ class CampaignSpec:
 
     def prompt_table(self) -> list[tuple[str, str]]:
         """(spec string, prompt key) in the spec's order."""
-        from . import prompts
 
         return [(p, prompt_key(prompts.resolve(p))) for p in self.prompts]
 
@@ -118,9 +123,6 @@ def resolve_draft(target_path, draft: str | None, cache_dir: Path | None = None)
         parse_ngram(draft)
         return draft
     if draft.startswith("derive:"):
-        from .derive import derive_truncated
-        from .models import model_sha256, resolve_model
-        from .paths import cache_dir as default_cache
 
         arg = draft.split(":", 1)[1]
         if not arg.isdigit():
@@ -135,8 +137,6 @@ def resolve_draft(target_path, draft: str | None, cache_dir: Path | None = None)
 
 
 def _load_runner(model_path, draft, cfg: SpecConfig):
-    from .runtime import Model, prepare_backend
-    from .speculative import Runner
 
     prepare_backend(cfg.backend)
     tm = Model(model_path, backend=cfg.backend)
@@ -146,7 +146,6 @@ def _load_runner(model_path, draft, cfg: SpecConfig):
     if draft == "self":
         dm = tm
     elif draft:
-        from .speculative import check_draft_paths
 
         check_draft_paths(tm.path, draft)  # before loading: a foreign vocabulary is refused by its header
         dm = Model(draft, backend=cfg.backend)
@@ -155,7 +154,6 @@ def _load_runner(model_path, draft, cfg: SpecConfig):
 
 def _worker(job: dict) -> list[dict]:
     """One fresh process: load, one registered warmup, then the block's requests."""
-    from . import prompts
 
     cfg = SpecConfig(**job["cfg"])
     runner = _load_runner(job["model"], job["draft"], cfg)
@@ -169,16 +167,32 @@ def _worker(job: dict) -> list[dict]:
     return out
 
 
+BLOCK_FN = "statelab.campaign:block_result"
+
+
+def block_result(job: dict) -> dict:
+    """What a block's fresh process returns: ``{"records": [...]}`` or ``{"error": line}``."""
+    try:
+        return {"records": _worker(job)}
+    except StatelabError as e:
+        return {"error": " ".join(str(e).split())}
+
+
 def run_requests(jobs: list[dict], progress=None, on_block=None, stop=None) -> list[dict]:
-    """Run jobs sequentially, each in a fresh spawned process (timings never overlap).
+    """Run jobs serially (timings never overlap), each in a fresh process forked from a
+    pre-imported fork server (no model loaded before the fork; the child loads its own).
     on_block(job, records) hears each finished block; stop() -> True ends the run early (after
     the first block: every run makes progress)."""
     out = []
-    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn"), max_tasks_per_child=1) as ex:
+    with ForkServer() as server:
         for i, job in enumerate(jobs):
             if i and stop is not None and stop():
                 break
-            recs = ex.submit(_worker, job).result()
+            res, info = server.run(BLOCK_FN, job)
+            if res is None or "error" in res:
+                raise ConfigError(f"block {job['block']} ({job['arm']} on {job['prompt']}): "
+                                  f"{res['error'] if res else info.error}")
+            recs = res["records"]
             out += recs
             if on_block:
                 on_block(job, recs)
@@ -204,7 +218,6 @@ def plan(spec: CampaignSpec, draft: str | None) -> list[dict]:
 def qualify_records(records: list[dict]) -> list[dict]:
     """Each record qualifies when its complete endpoint equals every R endpoint of its prompt
     (the same id and text sha256)."""
-    from .analysis import first_difference
 
     refs: dict[str, list] = {}
     for r in records:
@@ -225,7 +238,6 @@ def contrasts(records: list[dict], ratios, threshold: float, seed: int, resample
     """Ratio num/den of complete request times per pair, qualified arms only: per session,
     the mean over prompts of log(mean time num / mean time den); a percentile bootstrap over
     sessions; no trimming."""
-    from .analysis import bootstrap_ratio_interval
 
     out = []
     for num, den in ratios:
@@ -371,7 +383,6 @@ def campaign_hash(spec: CampaignSpec, draft: str | None) -> str:
     change between runs of one folder)."""
     import hashlib
 
-    from .models import model_sha256, resolve_model
 
     fields = {k: v for k, v in asdict(spec).items() if k not in ANALYSIS_FIELDS}
     fields["prompts"] = [key for _, key in spec.prompt_table()]
@@ -397,7 +408,6 @@ def refused_arms(spec: CampaignSpec) -> dict[str, str]:
     if spec.backend == "cpu" or not any(Arm.parse(a).layout in PATCHED_LAYOUTS for a in spec.arms):
         return {}
     from .audit.admission import device_refusal
-    from .runtime import Model
 
     with Model(spec.model, backend=spec.backend) as m:
         q = spec.spec_config().queries
@@ -406,9 +416,6 @@ def refused_arms(spec: CampaignSpec) -> dict[str, str]:
 
 
 def _run_campaign_locked(spec: CampaignSpec, out: Path, progress, budget_s: float | None) -> dict:
-    import time
-
-    from .study.store import CellLog, first_ok
 
     refused = refused_arms(spec)
     if refused:

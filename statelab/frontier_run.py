@@ -37,8 +37,8 @@ Run folder::
     OUT/traces/<task>/<donor>-<recipient>/r<k>/     one worker process: manifest.json + run*.npz
     OUT/results.nc  contrasts.md  report.md  plots/*.png
 
-Each trace folder is written atomically by one worker process (``python -m
-statelab.frontier_run``) with a manifest of sha256 per file (:func:`archive.write_files_atomic`);
+Each trace folder is written atomically by one worker process (forked from the fork server,
+:mod:`statelab.experiments.forkserver`, function :func:`unit_result`) with a manifest of sha256 per file (:func:`archive.write_files_atomic`);
 ``run<i>.npz`` (compressed) holds ``tokens`` (int32, n_out) and ``logits`` (float32, n_out x
 n_vocab; row t = the logits from which output t was chosen, row 0 = the recipient's captured
 initial logits).  The manifest maps every panel arm to its run: with ``share_identical`` arms
@@ -54,8 +54,6 @@ import json
 import os
 import re
 import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -63,14 +61,22 @@ from pathlib import Path
 
 import numpy as np
 
+from . import frontier as F
 from . import specfile as sf
-from .errors import ConfigError, StatelabError
+from .analysis import first_difference
+from .archive import ArchiveError, load_capture, read_verified, save_capture, write_files_atomic
+from .errors import ConfigError, IdentityError, StatelabError
+from .experiments.forkserver import ForkServer
+from .formation import PRESETS
+from .intervene import account, natural, subset_cross
 from .paths import atomic_write_text, exclusive_lock, read_json_record
+from .receiver import Endpoint
+from .runtime import ContextConfig, Model, prepare_backend
+from .selection import Selection, apply_subset, load_selector, select
 from .specfile import check_prompt_fits, spec_error
 
 SPEC_FORMAT = "statelab.frontier-spec/1"
 TRACE_FORMAT = "statelab.frontier-trace/1"
-MARKER = "STATELAB_FRONTIER "
 ARMS = ("EMPTY", "C1", "C2", "BOTH")
 DEFAULT_PANELS = {"L0": ("L0_K", "L0_V"), "POSITION": ("PREFIX", "TAIL")}  # = frontier.PANEL_COMPONENTS
 
@@ -255,8 +261,6 @@ def run_panels(model, donor, recipient, panels: dict, cap: int, share_identical:
     mixed KV payload equals an earlier arm's byte for byte reuses that run (identical inputs to
     the common receiver); its own selection and byte accounting are still recorded.
     """
-    from .intervene import account, subset_cross
-    from .selection import Selection, apply_subset, select
 
     rstate, dstate = recipient.state, donor.state
     runs, run_info, arms, imports = {}, {}, {}, {}
@@ -340,15 +344,9 @@ def trace_dir(out: Path, task: str, direction: str, repeat: int) -> Path:
 def run_unit(task: dict, model=None) -> dict:
     """One worker: load model and captures (verified), run every panel's arms, check the
     EMPTY control against the recipient's natural endpoint, write the trace folder."""
-    from .archive import load_capture, write_files_atomic
-    from .errors import IdentityError
-    from .receiver import Endpoint
-    from .selection import load_selector
 
     t0 = time.perf_counter()
     if model is None:
-        from .runtime import Model
-
         model = Model(task["model"], backend=task["backend"])
     if model.sha256 != task["model_sha256"]:
         raise IdentityError(f"the worker's model {model.sha256[:12]} is not the run's {task['model_sha256'][:12]}")
@@ -376,8 +374,7 @@ def run_unit(task: dict, model=None) -> dict:
     for p, m in pr.arms.items():
         ep = pr.runs[m["EMPTY"]]
         if not ep.same(natural_r):
-            from .analysis import first_difference
-
+        
             raise FrontierRunError(
                 f"FAILED CONTROL {task['key']} panel {p}: the EMPTY arm (recipient sham) differs from the recipient's "
                 f"natural endpoint at output {first_difference(ep.tokens, natural_r.tokens)}")
@@ -404,16 +401,16 @@ def run_unit(task: dict, model=None) -> dict:
     return {"key": task["key"], "runs": len(runs), "seconds": time.perf_counter() - t0, "pid": os.getpid()}
 
 
-def _worker_main() -> int:
-    task = json.loads(sys.stdin.read())
+UNIT_FN = "statelab.frontier_run:unit_result"
+
+
+def unit_result(task: dict) -> dict:
+    """What a unit's fresh process returns: :func:`run_unit`'s result, or ``{"error": line}``
+    for a failure stated to the user (a crash ends the process without a result)."""
     try:
-        res = run_unit(task)
+        return run_unit(task)
     except (StatelabError, ValueError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    sys.stdout.write(MARKER + json.dumps(res) + "\n")
-    sys.stdout.flush()
-    return 0
+        return {"error": " ".join(str(e).split())}
 
 
 # ---------------------------------------------------------------------------------- run
@@ -440,7 +437,6 @@ def _capture_kv_sha(folder: str) -> str | None:
 
 def _unit_done(task: dict) -> bool:
     """A verified trace folder of this spec, made from the captures now on disk."""
-    from .archive import ArchiveError, read_verified
 
     dest = Path(task["dest"])
     if not (dest / "manifest.json").is_file():
@@ -456,9 +452,6 @@ def _unit_done(task: dict) -> bool:
 
 def _captures(spec: FrontierSpec, out: Path, say) -> None:
     """Form every needed capture once (with its natural endpoint as control) and archive it."""
-    from .archive import ArchiveError, load_capture, save_capture
-    from .intervene import natural
-    from .runtime import ContextConfig, Model, prepare_backend
 
     needed = list(dict.fromkeys(a for d in spec.directions for a in d))
     todo = []
@@ -524,24 +517,17 @@ def _run_frontier_locked(spec, out: Path, workers: int, say, t0: float) -> RunSu
     units = [_unit_task(rec, out, t, d, r) for t in rec["normalized"]["prompts"]
              for d in spec.direction_labels for r in range(spec.repeats)]
     todo = [u for u in units if not _unit_done(u)]
-    env = dict(os.environ)
-    if spec.threads:
-        env["STATELAB_THREADS"] = str(spec.threads)
+    env = {"STATELAB_THREADS": str(spec.threads)} if spec.threads else {}
 
     def work(u):
-        t1 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "statelab.frontier_run"], input=json.dumps(u), text=True,
-                           capture_output=True, env=env)
-        lines = [ln for ln in r.stdout.splitlines() if ln.startswith(MARKER)]
-        if r.returncode != 0 or not lines:
-            errs = [ln for ln in r.stderr.splitlines() if ln.strip()]
-            return u, None, (errs[-1] if errs else f"worker exited with status {r.returncode}")
-        res = json.loads(lines[-1][len(MARKER):])
-        res["wall_s"] = time.perf_counter() - t1
+        res, info = server.run(UNIT_FN, u, env=env)
+        if res is None or "error" in res:
+            return u, None, res["error"] if res else info.error
+        res["wall_s"] = info.wall_s
         return u, res, None
 
     failed = []
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    with ForkServer() as server, ThreadPoolExecutor(max_workers=workers) as pool:
         for i, (u, res, error) in enumerate(pool.map(work, todo), 1):
             if error:
                 failed.append((u["key"], error))
@@ -580,7 +566,6 @@ def _wrap(e: Exception, where: str) -> FrontierRunError:
 
 
 def _load_unit(out: Path, task: dict, direction: str, repeat: int):
-    from .archive import read_verified
 
     dest = trace_dir(out, task["id"], direction, repeat)
     rel = dest.relative_to(out)
@@ -602,7 +587,6 @@ def _load_unit(out: Path, task: dict, direction: str, repeat: int):
 
 def analyse_run(out) -> Analysis:
     """Recompute the dataset of a run folder from its stored traces (no model needed)."""
-    from . import frontier as F
 
     out = Path(out)
     spec = read_json_record(out / "spec.json", SPEC_FORMAT, FrontierRunError,
@@ -760,8 +744,6 @@ def _pieces_lookup(units: dict):
 
 def write_outputs(out, result: Analysis) -> dict:
     """results.nc, contrasts.md, report.md and plots/ (score plots around every t*)."""
-    from . import frontier as F
-    from .analysis import first_difference
 
     out = Path(out)
     ds, agr, spec = result.ds, result.agreement, result.spec
@@ -849,10 +831,6 @@ def frontier_section(model, base_config, prompts: list, cap: int = 48, arms: dic
     (default: A and R on CPU, A and B elsewhere); ``directions``: (donor, recipient) pairs
     (default: both ways between the first two arms).
     """
-    from . import frontier as F
-    from .formation import PRESETS
-    from .intervene import natural
-    from .selection import load_selector
 
     if arms is None:
         names = ("A", "R") if base_config.backend == "cpu" else ("A", "B")
@@ -900,6 +878,3 @@ def frontier_section(model, base_config, prompts: list, cap: int = 48, arms: dic
     body = summary_markdown(ds, None, piece)
     return head + body + ("\n" + "\n".join(notes) + "\n" if notes else "")
 
-
-if __name__ == "__main__":
-    sys.exit(_worker_main())

@@ -15,7 +15,14 @@ import time
 
 import numpy as np
 
-from .spec import cell_key
+from ..analysis import endpoint_class, first_difference
+from ..archive import load_capture
+from ..errors import IdentityError
+from ..intervene import subset_cross
+from ..receiver import Endpoint
+from ..runtime import Model
+from ..selection import load_selector, select
+from .spec import StudyError, cell_key
 
 
 def endpoint_sha256(tokens, eog: bool) -> str:
@@ -64,18 +71,8 @@ def failed_record(task: dict, error: str, **extra) -> dict:
 def run_cell(task: dict, model=None) -> dict:
     """Execute one cell; ``model`` may be passed to reuse a loaded model (tests, tools).
     Raises on any failure (the worker turns it into a failed record)."""
-    from ..analysis import endpoint_class, first_difference
-    from ..archive import load_capture
-    from ..errors import IdentityError
-    from ..intervene import subset_cross
-    from ..receiver import Endpoint
-    from ..selection import load_selector, select
-    from .spec import StudyError
-
     t0 = time.perf_counter()
     if model is None:
-        from ..runtime import Model
-
         model = Model(task["model"], backend=task["backend"])
     if model.sha256 != task["model_sha256"]:
         raise IdentityError(f"the worker's model {model.sha256[:12]} is not the study's {task['model_sha256'][:12]}")

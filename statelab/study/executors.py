@@ -1,7 +1,11 @@
-"""Where cells run.  Every executor runs each cell in a FRESH process
-(``python -m statelab.study.worker``), so results do not depend on the executor:
+"""Where cells run.  Every executor runs each cell in a FRESH process whose llama.cpp
+context has decoded nothing else, so results do not depend on the executor:
 
-  local            a pool of N threads in the runner, each starting one subprocess per cell
+  local            (default) a pre-imported fork server (:mod:`statelab.experiments.forkserver`)
+                   forks one child per cell, N at a time; the child loads the model itself
+  local-spawn      a pool of N threads in the runner, each starting one new interpreter per
+                   cell (``python -m statelab.study.worker``): the interpreter start and the
+                   imports are paid per cell
   dask-local       a ``distributed.LocalCluster`` of N worker processes (one thread each);
                    each Dask task starts the cell's subprocess on its worker
   dask://HOST:PORT a ``distributed.Client`` to a running scheduler; the workers must see the
@@ -19,21 +23,27 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
+from ..experiments.forkserver import ForkServer
+from .cells import failed_record
 from .spec import StudyError
+from .worker import MARKER
 
+EXECUTORS = ("local", "local-spawn", "dask-local")
+CELL_FN = "statelab.study.worker:cell_record"
 _DASK_ADDR = re.compile(r"^dask://(?P<host>[^:/\s]+):(?P<port>\d{1,5})$")
 
 
 def check_executor(executor: str, workers: int) -> str:
     if not isinstance(workers, int) or workers < 1:
         raise StudyError(f"--workers must be a positive integer, got {workers!r}")
-    if executor in ("local", "dask-local"):
+    if executor in EXECUTORS:
         return executor
     m = _DASK_ADDR.match(executor or "")
     if m and 0 < int(m.group("port")) < 65536:
         return executor
-    raise StudyError(f"unknown executor {executor!r}: use local, dask-local or dask://HOST:PORT")
+    raise StudyError(f"unknown executor {executor!r}: use {', '.join(EXECUTORS)} or dask://HOST:PORT")
 
 
 def _address(executor: str) -> str:
@@ -55,9 +65,6 @@ def probe_executor(executor: str) -> None:
 
 def run_cell_subprocess(task: dict, timeout: float | None = None) -> dict:
     """Run one cell in a new Python process and return its record (never raises)."""
-    from .cells import failed_record
-    from .worker import MARKER
-
     t0 = time.perf_counter()
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -83,11 +90,19 @@ def run_cell_subprocess(task: dict, timeout: float | None = None) -> dict:
     return rec
 
 
-def _run_local(tasks: list[dict], workers: int, on_result: Callable[[dict], None]) -> None:
-    from concurrent.futures import ThreadPoolExecutor, as_completed
+def run_cell_forked(server: ForkServer, task: dict, timeout: float | None = None) -> dict:
+    """Run one cell in a child forked from the fork server; its record (never raises)."""
+    rec, info = server.run(CELL_FN, task, timeout=timeout)
+    if rec is None:
+        return failed_record(task, info.error)
+    rec.setdefault("timing", {}).update(fork_s=info.fork_s, process_s=info.run_s, subprocess_s=info.wall_s)
+    return rec
 
+
+def _run_pool(run_one: Callable[[dict], dict], tasks: list[dict], workers: int,
+              on_result: Callable[[dict], None]) -> None:
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="statelab-cell") as pool:
-        futs = [pool.submit(run_cell_subprocess, t) for t in tasks]
+        futs = [pool.submit(run_one, t) for t in tasks]
         try:
             for f in as_completed(futs):
                 on_result(f.result())
@@ -99,8 +114,6 @@ def _run_local(tasks: list[dict], workers: int, on_result: Callable[[dict], None
 
 def _run_dask(tasks: list[dict], workers: int, on_result: Callable[[dict], None], address: str | None) -> dict:
     from distributed import Client, LocalCluster, as_completed
-
-    from .cells import failed_record
 
     t0 = time.perf_counter()
     cluster = None
@@ -138,7 +151,14 @@ def execute(tasks: Iterable[dict], executor: str, workers: int, on_result: Calla
     if not tasks:
         return {"startup_s": 0.0, "shutdown_s": 0.0}
     if executor == "local":
-        _run_local(tasks, workers, on_result)
+        t0 = time.perf_counter()
+        with ForkServer() as server:
+            t1 = time.perf_counter()
+            _run_pool(lambda t: run_cell_forked(server, t), tasks, workers, on_result)
+            t2 = time.perf_counter()
+        return {"startup_s": t1 - t0, "shutdown_s": time.perf_counter() - t2}
+    if executor == "local-spawn":
+        _run_pool(run_cell_subprocess, tasks, workers, on_result)
         return {"startup_s": 0.0, "shutdown_s": 0.0}
     if executor == "dask-local":
         return _run_dask(tasks, workers, on_result, None)
