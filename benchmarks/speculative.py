@@ -29,7 +29,8 @@ import numpy as np
 from _report import machine, update_section
 
 from statelab.campaign import CampaignSpec, run_campaign
-from statelab.speculative import PATCHED_LAYOUTS, Arm, is_ngram
+from statelab.runtime.layouts import Layout
+from statelab.speculative import Arm, is_ngram
 
 GOAL = ("R", "C_QB", 1.5)
 
@@ -41,7 +42,7 @@ def rows_sweep(spec: CampaignSpec, rounds: int = 40) -> str:
 
     cfg = spec.spec_config()
     arm = next((Arm.parse(a) for a in spec.arms if Arm.parse(a).draft), Arm.parse("C_QB"))
-    layout = arm.layout if arm.layout in PATCHED_LAYOUTS else "MQ"
+    layout = arm.layout if Layout(arm.layout).needs_patch else "MQ"
     prepare_backend(spec.backend)
     model = Model(spec.model, backend=spec.backend)
     rmax = cfg.rows

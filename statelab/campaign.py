@@ -17,10 +17,11 @@ from .derive import derive_truncated
 from .errors import ConfigError, StatelabError
 from .experiments.forkserver import ForkServer
 from .models import model_sha256, resolve_model
-from .paths import atomic_path, atomic_write_text, exclusive_lock
+from .paths import atomic_write_netcdf, atomic_write_text, exclusive_lock
 from .paths import cache_dir as default_cache
 from .runtime import Model, prepare_backend
-from .speculative import PATCHED_LAYOUTS, Arm, Runner, SpecConfig, check_draft_paths, check_mask, is_ngram, parse_ngram
+from .runtime.layouts import Layout
+from .speculative import Arm, Runner, SpecConfig, check_draft_paths, check_mask, is_ngram, parse_ngram
 from .study.store import CellLog, first_ok
 
 DEFAULT_RATIOS = (("C_PQ", "C_QB"), ("C_GS", "C_QB"), ("C_QB", "M0"), ("R", "C_QB"))
@@ -405,7 +406,7 @@ def run_campaign(spec: CampaignSpec, out: Path, progress=None, budget_s: float |
 def refused_arms(spec: CampaignSpec) -> dict[str, str]:
     """Arms whose layout the target device would not run (its supports_op rejects the attention
     products, which the scheduler would then run on the CPU): arm -> reason. Empty on the CPU."""
-    if spec.backend == "cpu" or not any(Arm.parse(a).layout in PATCHED_LAYOUTS for a in spec.arms):
+    if not any(Layout(Arm.parse(a).layout).device_must_admit(spec.backend) for a in spec.arms):
         return {}
     from .audit.admission import device_refusal
 
@@ -439,8 +440,7 @@ def _run_campaign_locked(spec: CampaignSpec, out: Path, progress, budget_s: floa
     records = qualify_records([r for j in jobs for r in done[f"block-{j['block']}"]["records"]])
     rows = contrasts(records, spec.ratios, spec.threshold, spec.seed, spec.resamples)
     ds = to_dataset(records)
-    with atomic_path(out / "results.nc", umask_mode=True) as tmp:
-        ds.to_netcdf(tmp)
+    atomic_write_netcdf(out / "results.nc", ds)
     atomic_write_text(out / "records.json", json.dumps(records, indent=1))
     atomic_write_text(out / "contrasts.json", json.dumps(rows, indent=1))
     md = report_markdown(spec, records, rows)

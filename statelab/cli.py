@@ -13,6 +13,8 @@ from rich.table import Table
 
 from .errors import StatelabError
 from .limits import MAX_THREADS
+from .paths import atomic_write_netcdf, atomic_write_text
+from .runtime.layouts import ATTENTION_LAYOUTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="KV-state formation, intervention and transplantation on llama.cpp.")
@@ -333,7 +335,6 @@ def sweep(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEva
 
     from .formation import PRESETS, parse_schedule, partition_sweep
     from .partition import sweep as run_sweep
-    from .paths import atomic_write_text
     from .receiver import check_cap
 
     check_cap(cap)
@@ -427,7 +428,6 @@ def study_minimal(spec: Path = typer.Argument(..., help="study spec"),
                   out: Optional[Path] = typer.Option(None, "--out", "-o", help="reuse this study folder's captures"),
                   json_out: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON")):
     """Search a small sufficient selection (layers, then positions) reproducing the donor."""
-    from .paths import atomic_write_text
     from .study import minimal_selection
 
     res = minimal_selection(spec, prompt, direction, out,
@@ -488,7 +488,6 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
     """Run arms on one prompt in this process; qualify each against R; time qualified arms."""
     from .audit.admission import device_refusal
     from .campaign import _load_runner, resolve_draft
-    from .paths import atomic_write_text
     from .speculative import Arm, SpecConfig, qualify
 
     names = [a.strip() for a in arms.split(",") if a.strip()]
@@ -560,7 +559,6 @@ def spec_masks(tasks: str = typer.Option("HumanEval/0,HumanEval/2,HumanEval/4,Hu
 
     from .campaign import mask_markdown, phase_mask_experiment, resolve_draft
     from .errors import ConfigError
-    from .paths import atomic_write_text
 
     if "-" in masks:
         try:
@@ -637,22 +635,13 @@ app.add_typer(audit_app, name="audit")
 AuditOutOpt = typer.Option(None, "--out", "-o", help="also write report.md and results.nc into this folder")
 
 
-def _write_netcdf(path: Path, ds) -> None:
-    """ds to path atomically (a temporary sibling renamed into place), as an ordinary new file."""
-    from .paths import atomic_path
-
-    with atomic_path(path, umask_mode=True) as tmp:
-        ds.to_netcdf(tmp)
-
-
 def _audit_write(out: Optional[Path], md: str, ds, name: str = "results.nc") -> None:
-    from .paths import atomic_write_text
 
     if out is None:
         return
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "report.md", md)
-    _write_netcdf(out / name, ds)
+    atomic_write_netcdf(out / name, ds)
     console.print(f"[dim]wrote {out / 'report.md'} and {out / name}[/dim]")
 
 
@@ -764,7 +753,7 @@ def audit_e1(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
     _audit_write(out, md, ds)
     if out is not None:
         if rds is not None:
-            _write_netcdf(out / "replay.nc", rds)
+            atomic_write_netcdf(out / "replay.nc", rds)
         for (ph, q, lo), r in detail["runs"].items():
             for L, cap in r.captures.items():
                 save_capture(cap, r.identity, out / "captures" / f"L{L}_{ph}_q{q}_{lo}",
@@ -792,7 +781,6 @@ def replay_cmd(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Hum
     from .audit.replay import ops_markdown, replay_attention, replay_ops
     from .errors import ConfigError
     from .formation import Schedule
-    from .paths import atomic_write_text
 
     m, base = _setup(model, backend, threads)
     if capture_dir is not None:
@@ -813,7 +801,7 @@ def replay_cmd(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Hum
             return name_layer(name) == layer
 
         lay = layout.strip().upper()
-        if lay not in ("MQ", "PQ", "QB"):
+        if lay not in ATTENTION_LAYOUTS:
             raise ConfigError(f"unknown attention layout {layout!r}; use MQ, PQ or QB")
         run = run_graph(m, toks[:q], Geometry(Schedule(f"q{q}", (q,), q, 512), lay), base, want=mine,
                         want_srcs=mine, logits="all")
@@ -826,7 +814,7 @@ def replay_cmd(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Hum
     lines += ["## Attention operands replayed as MQ / PQ / QB", "",
               "| layout | qk | softmax | av |", "| --- | --- | --- | --- |"]
     results = {}
-    for lo in ("MQ", "PQ", "QB"):
+    for lo in ATTENTION_LAYOUTS:
         results[lo] = replay_attention(cap, lo, device, threads or None)
         cells = []
         for s in ("qk", "softmax", "av"):

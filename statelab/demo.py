@@ -107,7 +107,8 @@ def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: 
     from .partition import partition_dataset
     from .receiver import check_cap
     from .report import demo_page
-    from .study.results import load_dataset, write_netcdf_atomic
+    from .paths import atomic_write_netcdf
+    from .study.results import load_dataset
     from .runtime import ContextConfig, Model, prepare_backend
 
     check_cap(cap)
@@ -140,7 +141,7 @@ def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: 
     out.mkdir(parents=True, exist_ok=True)
     partition = partition_dataset(results, backend, cap) if results else None
     if partition is not None:
-        write_netcdf_atomic(partition, out / "partition.nc")
+        atomic_write_netcdf(out / "partition.nc", partition)
     matrix_ds = frontier_ds = None
     if matrix:
         section, effects = selector_matrix(console, model_path, backend, arms, matrix_tasks or default_matrix_tasks(backend),

@@ -54,7 +54,7 @@ import numpy as np
 import xarray as xr
 
 from .errors import StatelabError
-from .paths import atomic_path
+from .paths import atomic_write_netcdf
 
 __all__ = [
     "ARMS", "PANEL_COMPONENTS", "VARIABLES", "FORMAT_VERSION",
@@ -827,9 +827,7 @@ def save_results(ds: xr.Dataset, path: str | os.PathLike) -> Path:
     for name, var in ds.variables.items():
         if var.dtype == object:
             raise FrontierError(f"variable {name!r} has object dtype; not netCDF-safe")
-    with atomic_path(path) as tmp:
-        ds.to_netcdf(tmp, engine="netcdf4", format="NETCDF4")
-    return path
+    return atomic_write_netcdf(path, ds)
 
 
 def load_results(path: str | os.PathLike) -> xr.Dataset:

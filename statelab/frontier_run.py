@@ -52,7 +52,6 @@ import hashlib
 import io
 import json
 import os
-import re
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -67,6 +66,7 @@ from .analysis import first_difference
 from .archive import ArchiveError, load_capture, read_verified, save_capture, write_files_atomic
 from .errors import ConfigError, IdentityError, StatelabError
 from .experiments.forkserver import ForkServer
+from .experiments.naming import Direction, parse_directions, slug
 from .formation import PRESETS
 from .intervene import account, natural, subset_cross
 from .paths import atomic_write_text, exclusive_lock, read_json_record
@@ -87,10 +87,6 @@ _REQUIRED = ("prompts", "directions", "panels", "arms")
 
 class FrontierRunError(ConfigError):
     """A frontier spec, run folder or stored trace that cannot be used, stated in one line."""
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "x"
 
 
 def _sha(data: bytes) -> str:
@@ -114,7 +110,7 @@ class FrontierSpec:
     prompt_specs: tuple[str, ...]
     prompts: list
     arms: dict  # name -> Schedule
-    directions: tuple[tuple[str, str], ...]
+    directions: tuple[Direction, ...]
     panels: dict  # name -> (component1, component2) selector names
     selectors: dict  # component name -> Selector
     before_frontier: int = 0
@@ -127,7 +123,7 @@ class FrontierSpec:
 
     @property
     def direction_labels(self) -> list[str]:
-        return [f"{d}->{r}" for d, r in self.directions]
+        return [d.label for d in self.directions]
 
     def normalized(self) -> dict:
         return {
@@ -187,19 +183,7 @@ def load_spec(path: str | os.PathLike, check_model: bool = True) -> FrontierSpec
 
     arms = sf.parse_arms(data, err)
 
-    directions = []
-    for d in sf.str_list(data, "directions", err):
-        parts = [x.strip() for x in d.split("->")]
-        if len(parts) != 2 or not all(parts):
-            raise err(f"direction {d!r} must read DONOR->RECIPIENT, e.g. \"A->R\"")
-        for a in parts:
-            if a not in arms:
-                raise err(f"direction {d!r} names arm {a!r}, which [arms] does not define ({', '.join(arms)})")
-        if parts[0] == parts[1]:
-            raise err(f"direction {d!r} has the same donor and recipient")
-        if tuple(parts) in directions:
-            raise err(f"direction {d!r} is listed twice")
-        directions.append(tuple(parts))
+    directions = parse_directions(sf.str_list(data, "directions", err), arms, err)
 
     raw_panels = data["panels"]
     panels: dict[str, tuple[str, str]] = {}
@@ -316,7 +300,7 @@ def _load_npz(data: bytes, where: str) -> tuple[np.ndarray, np.ndarray]:
 
 def _unit_task(spec_record: dict, out: Path, task: dict, direction: str, repeat: int) -> dict:
     norm = spec_record["normalized"]
-    donor, recip = direction.split("->")
+    donor, recip = Direction.parse(direction)
     cdir = out / "captures" / slug(task["id"])
     return {
         "key": f"{task['id']}|{direction}|{repeat}", "spec_hash": spec_record["spec_hash"],
@@ -338,7 +322,7 @@ def _panels(norm: dict) -> list[tuple[str, dict]]:
 
 
 def trace_dir(out: Path, task: str, direction: str, repeat: int) -> Path:
-    return Path(out) / "traces" / slug(task) / direction.replace("->", "-") / f"r{int(repeat)}"
+    return Path(out) / "traces" / slug(task) / Direction.parse(direction).folder / f"r{int(repeat)}"
 
 
 def run_unit(task: dict, model=None) -> dict:
@@ -596,7 +580,7 @@ def analyse_run(out) -> Analysis:
     datasets, units = [], {}
     for task in norm["prompts"]:
         for direction in norm["directions"]:
-            recipient = direction.split("->")[1]
+            recipient = Direction.parse(direction).recipient
             loaded = [_load_unit(out, task, direction, r) for r in range(norm["repeats"])]
             for (rel, manifest, _), r in zip(loaded, range(norm["repeats"])):
                 units[(task["id"], direction, r)] = {k: v for k, v in manifest.items() if k != "files"}
@@ -759,7 +743,7 @@ def write_outputs(out, result: Analysis) -> dict:
     for r in frontier_rows(ds):
         if r["t_star"] >= 0 and "scores" in r and r["repeat"] == int(ds["repeat"].values[0]):
             coord = {k: r[k] for k in ("task", "recipient", "panel", "direction", "repeat")}
-            name = slug(f"{r['task']}_{r['panel']}_{r['direction'].replace('->', '-')}_r{r['repeat']}") + ".png"
+            name = slug(f"{r['task']}_{r['panel']}_{Direction.parse(r['direction']).folder}_r{r['repeat']}") + ".png"
             F.plot_scores(ds, coord, plots_dir / name, window=int(spec.get("plot_window", 8)))
             plots.append(name)
 

@@ -39,9 +39,12 @@ import numpy as np
 from .errors import ConfigError, DecodeError, IdentityError
 from .limits import check_threads, check_tokens
 from .receiver import Endpoint, check_cap
+from .runtime import layouts
+from .runtime.layouts import Layout
 
-LAYOUT_NAMES = ("MQ", "PQ", "QB", "GS", "PQ+W", "QB+W")
-PATCHED_LAYOUTS = ("PQ", "QB", "PQ+W", "QB+W")  # set on the context by runtime.layouts
+# the layouts an arm may name (runtime.layouts.Layout holds their properties)
+SPEC_LAYOUTS = (Layout.MQ, Layout.PQ, Layout.QB, Layout.GS, Layout.PQ_W, Layout.QB_W)
+LAYOUT_NAMES = tuple(x.value for x in SPEC_LAYOUTS)
 TARGET_PREFILL, TARGET_CONT, DRAFT_PREFILL, DRAFT_CONT = 1, 2, 4, 8
 PHASE_BITS = {("target", "prefill"): TARGET_PREFILL, ("target", "continuation"): TARGET_CONT,
               ("draft", "prefill"): DRAFT_PREFILL, ("draft", "continuation"): DRAFT_CONT}
@@ -134,9 +137,7 @@ class PhaseGuard:
     @contextlib.contextmanager
     def scope(self, ctx, role: str):
         want = self.active(role)
-        if want in PATCHED_LAYOUTS:
-            from .runtime import layouts
-
+        if Layout(want).needs_patch:
             prev = layouts.get_layout(ctx)
             layouts.set_layout(ctx, want)
             try:
@@ -290,8 +291,6 @@ class AdaptiveK:
 
 def _graph_counter(ctx):
     """Start counting the graph builds and reuses of ctx; the returned function reads them."""
-    from .runtime import layouts
-
     if not layouts.available():
         return lambda: (-1, -1)
     layouts.reset_counters(ctx)
@@ -365,9 +364,7 @@ class Transaction:
             t_dec = time.perf_counter()  # admission check and layout restore below are bookkeeping (python)
             self.c.target_callers += 1
             self.c.target_micrographs += _micrographs(rows, self.t.config.n_ubatch)
-            if layout in PATCHED_LAYOUTS and rows > 1:
-                from .runtime import layouts
-
+            if Layout(layout).needs_patch and rows > 1:
                 if not layouts.last_admission(self.t).admitted:
                     self.c.layout_not_admitted += 1
         t1 = time.perf_counter()
@@ -576,24 +573,20 @@ class Runner:
         from .runtime import Context, ContextConfig
 
         c = self.cfg
-        if arm.layout in PATCHED_LAYOUTS:
-            from .runtime import layouts
-
+        if Layout(arm.layout).needs_patch:
             if not layouts.available():
                 raise ConfigError(f"arm {arm.name} needs the attention-layout patch (native/patches/0002)")
             if not 1 <= c.queries <= layouts.MAX_QUERIES_LIMIT:
                 raise ConfigError(f"arm {arm.name}: {c.queries} queries per micrograph exceed the layout limit "
                                   f"{layouts.MAX_QUERIES_LIMIT} (lower k_max or ubatch)")
-            if layouts.parse_family(arm.layout)[1] and not layouts.weight_repair_available():
+            if Layout(arm.layout).repair and not layouts.weight_repair_available():
                 raise ConfigError(f"arm {arm.name} needs the weight-product patch "
                                   "(native/patches/0003-row-invariant-weight-products.patch)")
         ub = 1 if arm.reference else c.target_ubatch
         tcfg = ContextConfig(backend=c.backend, n_ctx=c.n_ctx, n_batch=max(512, c.rows), n_ubatch=ub,
                              n_threads=c.threads)
         t = Context(self.tm, tcfg)
-        if arm.layout in PATCHED_LAYOUTS:
-            from .runtime import layouts
-
+        if Layout(arm.layout).needs_patch:
             layouts.set_max_queries(t, c.queries)
         d = None
         if arm.draft and self.ngram is None:

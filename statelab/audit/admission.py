@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError
+from ..runtime.layouts import ATTENTION_LAYOUTS, Layout
 
-LAYOUTS = ("MQ", "PQ", "QB")
+LAYOUTS = ATTENTION_LAYOUTS
 OPS = ("qk", "softmax", "av", "concat")
 
 
@@ -204,8 +205,9 @@ def device_refusal(model, layout: str, q: int) -> str | None:
     the device. Callers report such an arm as not admitted instead of running it."""
     from ..runtime.native import devices_for_backend
 
-    base = layout.split("+")[0]
-    if model.backend == "cpu" or base not in LAYOUTS or q < 2:
+    lay = Layout.parse(layout)
+    base = lay.attention
+    if not lay.device_must_admit(model.backend) or base == "MQ" or q < 2:
         return None
     devs = devices_for_backend(model.backend)[:1]
     ds = run_admission(AttnShape.of_model(model), qs=[q], layouts=[base], devices=devs)

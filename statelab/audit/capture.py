@@ -21,9 +21,10 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..formation import REST, Schedule, parse_schedule
+from ..runtime.layouts import FAMILY_LAYOUTS
 
 VIEW_OPS = {"VIEW", "PERMUTE", "RESHAPE", "TRANSPOSE", "NONE"}
-LAYOUT_NAMES = ("MQ", "PQ", "QB", "MQ+W", "PQ+W", "QB+W")
+LAYOUT_NAMES = tuple(x.value for x in FAMILY_LAYOUTS)
 KV_PAD = 256  # llama.cpp pads the KV cells a graph sees to 256
 
 _LAYER_SUFFIX = re.compile(r"^(?P<base>.*?)-(?P<layer>\d+)(?P<rest>(?: \(\w+\))*)$")

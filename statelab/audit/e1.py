@@ -33,11 +33,12 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..formation import Schedule
+from ..runtime.layouts import ATTENTION_LAYOUTS
 from .capture import check_layer, parse_node_name, run_graph
 from .capture import Geometry
 
 PHASES = ("prefill", "continuation")
-LAYOUTS = ("MQ", "PQ", "QB")
+LAYOUTS = ATTENTION_LAYOUTS
 STAGES = ("qk", "softmax", "av")
 PAIRS = (("MQ", "PQ"), ("MQ", "QB"), ("PQ", "QB"))
 MAX_Q = 4

@@ -22,6 +22,7 @@ from ..intervene import subset_cross
 from ..receiver import Endpoint
 from ..runtime import Model
 from ..selection import load_selector, select
+from ..experiments.naming import Direction
 from .spec import StudyError, cell_key
 
 
@@ -38,7 +39,7 @@ def plan(spec_record: dict, sdir, controls: dict[str, dict]) -> tuple[list[dict]
         ctl = controls.get(pid)
         for sel in norm["selectors"]:
             for d in norm["directions"]:
-                donor, recip = d.split("->")
+                donor, recip = Direction.parse(d)
                 for r in range(norm["repeats"]):
                     key = cell_key(pid, sel["name"], d, r)
                     if ctl is None:

@@ -20,7 +20,8 @@ import xarray as xr
 
 from ..analysis import (class_matrix_markdown, magnitude_separability, non_monotone_pairs,
                         repeat_agreement, selector_lattice)
-from ..paths import atomic_path, atomic_write_text
+from ..experiments.naming import Direction
+from ..paths import atomic_write_netcdf, atomic_write_text
 from .spec import StudyError, cell_key
 from .store import CellLog, StudyDir, first_ok
 
@@ -102,13 +103,6 @@ def compile_dataset(spec: dict, ok: dict[str, dict], records: list[dict], contro
     return ds
 
 
-def write_netcdf_atomic(ds: xr.Dataset, path: Path) -> Path:
-    path = Path(path)
-    with atomic_path(path) as tmp:
-        ds.to_netcdf(tmp, engine="netcdf4")
-    return path
-
-
 def load_dataset(path) -> xr.Dataset:
     with xr.open_dataset(path, engine="netcdf4") as ds:
         return ds.load()
@@ -186,7 +180,7 @@ def _lattice_masks(sdir: StudyDir, spec: dict, task: str, controls: dict) -> dic
     from .controls import ALL, EMPTY
 
     norm = spec["normalized"]
-    recip = norm["directions"][0].split("->")[1]
+    recip = Direction.parse(norm["directions"][0]).recipient
     state = load_capture(sdir.capture_dir(task, recip)).state
     masks = {}
     for s in norm["selectors"]:
@@ -362,7 +356,7 @@ def compile_study(out, lock: bool = True, on_compiled=None) -> tuple[xr.Dataset,
             return ds, md
     sdir, spec, controls, records, ok = load_state(out)
     ds = compile_dataset(spec, ok, records, controls)
-    write_netcdf_atomic(ds, sdir.results_path)
+    atomic_write_netcdf(sdir.results_path, ds)
     report = report_markdown(sdir, spec, controls, records, ok, ds)
     atomic_write_text(sdir.report_path, report)
     return ds, report

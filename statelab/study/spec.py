@@ -27,11 +27,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..experiments.naming import Direction, parse_directions, slug
 from ..specfile import check_prompt_fits, spec_error
 
 FORMAT = "statelab.study/1"
@@ -43,20 +43,6 @@ _REQUIRED = ("cap", "prompts", "selectors", "directions", "arms")  # cap decides
 class StudyError(ConfigError):
     """A study specification or study output folder that cannot be used, stated in one line."""
 
-
-def slug(prompt_id: str) -> str:
-    """A folder name for a prompt id (``HumanEval/2`` -> ``HumanEval_2``)."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", prompt_id).strip("._") or "prompt"
-
-
-@dataclass(frozen=True)
-class Direction:
-    donor: str
-    recipient: str
-
-    @property
-    def label(self) -> str:
-        return f"{self.donor}->{self.recipient}"
 
 
 @dataclass
@@ -174,23 +160,7 @@ def load_spec(path: str | os.PathLike, check_model: bool = True) -> StudySpec:
 
     arms = sf.parse_arms(data, err)
 
-    # directions
-    dirs = []
-    for d in sf.str_list(data, "directions", err, say_empty=True):
-        parts = [x.strip() for x in d.split("->")]
-        if len(parts) != 2 or not all(parts):
-            raise err(f"direction {d!r} must read DONOR->RECIPIENT, e.g. \"A->R\"")
-        donor, recip = parts
-        for a in (donor, recip):
-            if a not in arms:
-                raise err(f"direction {d!r} names arm {a!r}, which [arms] does not define "
-                          f"(arms: {', '.join(arms)})")
-        if donor == recip:
-            raise err(f"direction {d!r} has the same donor and recipient")
-        dirs.append(Direction(donor, recip))
-    labels = [x.label for x in dirs]
-    if len(set(labels)) != len(labels):
-        raise err("a direction is listed twice")
+    dirs = parse_directions(sf.str_list(data, "directions", err, say_empty=True), arms, err)
 
     # selectors: loaded now (unknown names, malformed files, empty ranges fail here)
     search = sf.selector_search_dirs(path)
