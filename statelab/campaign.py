@@ -15,7 +15,7 @@ from . import prompts
 from .analysis import bootstrap_ratio_interval, first_difference
 from .derive import derive_truncated
 from .errors import ConfigError, StatelabError
-from .experiments.forkserver import ForkServer
+from .experiments.executors import Unit, execute
 from .models import model_sha256, resolve_model
 from .paths import atomic_write_netcdf, atomic_write_text, exclusive_lock
 from .paths import cache_dir as default_cache
@@ -168,37 +168,41 @@ def _worker(job: dict) -> list[dict]:
     return out
 
 
-BLOCK_FN = "statelab.campaign:block_result"
-
-
 def block_result(job: dict) -> dict:
-    """What a block's fresh process returns: ``{"records": [...]}`` or ``{"error": line}``."""
+    """What a block's fresh process returns: ``{"block", "records": [...]}`` or ``{"block", "error"}``."""
     try:
-        return {"records": _worker(job)}
+        return {"block": job["block"], "records": _worker(job)}
     except StatelabError as e:
-        return {"error": " ".join(str(e).split())}
+        return block_failed(job, str(e))
+
+
+def block_failed(job: dict, error: str) -> dict:
+    return {"block": job["block"], "error": " ".join(str(error).split())}
+
+
+BLOCK = Unit("statelab.campaign:block_result", block_failed)  # how the executors run a block
 
 
 def run_requests(jobs: list[dict], progress=None, on_block=None, stop=None) -> list[dict]:
-    """Run jobs serially (timings never overlap), each in a fresh process forked from a
-    pre-imported fork server (no model loaded before the fork; the child loads its own).
-    on_block(job, records) hears each finished block; stop() -> True ends the run early (after
-    the first block: every run makes progress)."""
+    """Run jobs in the serial mode of the engine's executors (one at a time, in order: timings
+    never overlap), each in a fresh process forked from the pre-imported fork server (no
+    model loaded before the fork; the child loads its own).  on_block(job, records) hears each
+    finished block; stop() -> True ends the run early (after the first block: every run makes
+    progress)."""
     out = []
-    with ForkServer() as server:
-        for i, job in enumerate(jobs):
-            if i and stop is not None and stop():
-                break
-            res, info = server.run(BLOCK_FN, job)
-            if res is None or "error" in res:
-                raise ConfigError(f"block {job['block']} ({job['arm']} on {job['prompt']}): "
-                                  f"{res['error'] if res else info.error}")
-            recs = res["records"]
-            out += recs
-            if on_block:
-                on_block(job, recs)
-            if progress:
-                progress()
+    by_block = {j["block"]: j for j in jobs}
+
+    def on_result(res: dict) -> None:
+        job = by_block[res["block"]]
+        if "error" in res:
+            raise ConfigError(f"block {job['block']} ({job['arm']} on {job['prompt']}): {res['error']}")
+        out.extend(res["records"])
+        if on_block:
+            on_block(job, res["records"])
+        if progress:
+            progress()
+
+    execute(jobs, BLOCK, "local", 1, on_result, stop=stop or (lambda: False))
     return out
 
 

@@ -596,11 +596,13 @@ def _frontier_say(msg: str) -> None:
 def frontier_run_(spec: Path = typer.Argument(..., help="frontier spec (studies/frontier-*.toml)"),
                   out: Optional[Path] = typer.Option(None, "--out", "-o",
                                                      help="run folder (default runs/frontier/NAME); resumes"),
-                  workers: int = typer.Option(1, "--workers", "-w", help="worker processes at once")):
+                  workers: int = typer.Option(1, "--workers", "-w", help="worker processes at once"),
+                  executor: str = typer.Option("local", "--executor", "-e", help="local (fork server), local-spawn, "
+                                               "dask-local or dask://HOST:PORT")):
     """Run (or resume) a frontier spec: traces in fresh processes, then results.nc, report.md, plots."""
     from .frontier_run import run_frontier
 
-    s = run_frontier(spec, out, workers, say=_frontier_say)
+    s = run_frontier(spec, out, workers, say=_frontier_say, executor=executor)
     console.print(f"{s.out}: {s.ran} worker(s) run, {s.skipped} already done, {s.seconds:.0f} s; "
                   f"{s.n_frontiers} panel repeat(s) with a frontier; repeats agree on {s.agreement[0]} of "
                   f"{s.agreement[1]} compared contrasts", markup=False, highlight=False, soft_wrap=True)

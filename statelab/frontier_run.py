@@ -54,7 +54,6 @@ import json
 import os
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,11 +64,12 @@ from . import specfile as sf
 from .analysis import first_difference
 from .archive import ArchiveError, load_capture, read_verified, save_capture, write_files_atomic
 from .errors import ConfigError, IdentityError, StatelabError
-from .experiments.forkserver import ForkServer
+from .experiments.executors import Unit, check_executor, execute, probe_executor
+from .experiments.folder import RunFolder
 from .experiments.naming import Direction, parse_directions, slug
 from .formation import PRESETS
 from .intervene import account, natural, subset_cross
-from .paths import atomic_write_text, exclusive_lock, read_json_record
+from .paths import atomic_write_text, read_json_record
 from .receiver import Endpoint
 from .runtime import ContextConfig, Model, prepare_backend
 from .selection import Selection, apply_subset, load_selector, select
@@ -470,59 +470,48 @@ def _captures(spec: FrontierSpec, out: Path, say) -> None:
         model.close()
 
 
-def run_frontier(spec_path, out=None, workers: int = 1, say=lambda msg: None) -> RunSummary:
+def unit_failed(task: dict, error: str) -> dict:
+    return {"key": task["key"], "error": " ".join(str(error).split())}
+
+
+def run_frontier(spec_path, out=None, workers: int = 1, say=lambda msg: None, executor: str = "local") -> RunSummary:
     """Run (or resume) a frontier spec: captures once, then one fresh worker process per
     (task, direction, repeat), then :func:`analyse_run` and the outputs."""
     t0 = time.perf_counter()
-    if workers < 1:
-        raise FrontierRunError(f"--workers must be >= 1, got {workers}")
+    check_executor(executor, workers, FrontierRunError)
     spec = load_spec(spec_path)
-    out = Path(out) if out is not None else Path("runs") / "frontier" / slug(spec.name)
-    out.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(out / ".lock", FrontierRunError, f"frontier run folder {out}"):  # one writer per folder
-        return _run_frontier_locked(spec, out, workers, say, t0)
+    folder = RunFolder(Path(out) if out is not None else Path("runs") / "frontier" / slug(spec.name), SPEC_FORMAT,
+                       FrontierRunError, "frontier")
+    with folder.writer():  # one writer per folder
+        return _run_frontier_locked(spec, folder, workers, say, t0, executor)
 
 
-def _run_frontier_locked(spec, out: Path, workers: int, say, t0: float) -> RunSummary:
-    rec = spec.record()
-    spath = out / "spec.json"
-    if spath.is_file():
-        try:
-            old = json.loads(spath.read_text())
-        except ValueError:
-            raise FrontierRunError(f"{spath} is not valid JSON; choose another --out") from None
-        if old.get("spec_hash") != spec.hash:
-            raise FrontierRunError(f"{out} holds a frontier run of another spec (hash "
-                                   f"{str(old.get('spec_hash'))[:12]}, this spec {spec.hash[:12]}); "
-                                   "choose another --out")
-    atomic_write_text(spath, json.dumps(rec, indent=2, sort_keys=True))
+def _run_frontier_locked(spec, folder: RunFolder, workers: int, say, t0: float, executor: str) -> RunSummary:
+    out = folder.root
+    folder.claim(spec.hash, spec.record())
+    probe_executor(executor, FrontierRunError)
     _captures(spec, out, say)
 
+    rec = spec.record()
     units = [_unit_task(rec, out, t, d, r) for t in rec["normalized"]["prompts"]
              for d in spec.direction_labels for r in range(spec.repeats)]
     todo = [u for u in units if not _unit_done(u)]
-    env = {"STATELAB_THREADS": str(spec.threads)} if spec.threads else {}
+    unit = Unit(UNIT_FN, unit_failed, {"STATELAB_THREADS": str(spec.threads)} if spec.threads else {})
+    failed, seen = [], []
 
-    def work(u):
-        res, info = server.run(UNIT_FN, u, env=env)
-        if res is None or "error" in res:
-            return u, None, res["error"] if res else info.error
-        res["wall_s"] = info.wall_s
-        return u, res, None
+    def on_result(res: dict) -> None:
+        seen.append(res["key"])
+        where = f"[{len(seen)}/{len(todo)}] {res['key']}"
+        if "error" in res:
+            failed.append((res["key"], res["error"]))
+            say(f"{where}: FAILED {res['error']}")
+        else:
+            say(f"{where}: {res['runs']} runs in process {res['pid']} ({res['timing']['subprocess_s']:.1f} s)")
 
-    failed = []
-    with ForkServer() as server, ThreadPoolExecutor(max_workers=workers) as pool:
-        for i, (u, res, error) in enumerate(pool.map(work, todo), 1):
-            if error:
-                failed.append((u["key"], error))
-                say(f"[{i}/{len(todo)}] {u['key']}: FAILED {error}")
-            else:
-                say(f"[{i}/{len(todo)}] {u['key']}: {res['runs']} runs in process {res['pid']} "
-                    f"({res['wall_s']:.1f} s)")
+    execute(todo, unit, executor, workers, on_result, error=FrontierRunError)
     if failed:
         key, error = failed[0]
-        raise FrontierRunError(f"{len(failed)} of {len(todo)} worker(s) failed; first {key}: "
-                               f"{error.removeprefix('error: ')}")
+        raise FrontierRunError(f"{len(failed)} of {len(todo)} worker(s) failed; first {key}: {error}")
     result = analyse_run(out)
     paths = write_outputs(out, result)
     agree = result.agreement.attrs

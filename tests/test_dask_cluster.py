@@ -64,7 +64,7 @@ def _lines(path: Path) -> int:
 
 
 def _cell_children(worker: subprocess.Popen) -> list[psutil.Process]:
-    """The cell processes (`python -m statelab.study.worker`) below a `dask worker` process."""
+    """The cell processes (`python -m statelab.experiments.worker`) below a `dask worker` process."""
     try:
         kids = psutil.Process(worker.pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -72,7 +72,7 @@ def _cell_children(worker: subprocess.Popen) -> list[psutil.Process]:
     out = []
     for k in kids:
         try:
-            if "statelab.study.worker" in " ".join(k.cmdline()):
+            if "statelab.experiments.worker" in " ".join(k.cmdline()):
                 out.append(k)
         except psutil.NoSuchProcess:
             pass

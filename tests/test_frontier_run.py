@@ -272,4 +272,4 @@ def test_rerun_resumes_and_other_spec_is_refused(run_dir, tmp_path, cli):
 
     other = tmp_path / "other.toml"
     other.write_text(SPEC.replace("cap = 16", "cap = 12"))
-    one_line_error(cli("frontier", "run", other, "--out", out, env=THREADS), "holds a frontier run of another spec")
+    one_line_error(cli("frontier", "run", other, "--out", out, env=THREADS), "holds a frontier run of a different spec")

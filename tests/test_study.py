@@ -22,7 +22,7 @@ from conftest import one_line_error, run_cli
 from statelab.study import (DETERMINISTIC, CellLog, StudyDir, StudyError, compile_dataset, compile_study,
                             load_dataset, load_spec, run_study)
 from statelab.study.cells import plan, run_cell
-from statelab.study.executors import check_executor
+from statelab.experiments.executors import check_executor
 
 REPO = Path(__file__).resolve().parents[1]
 CI = REPO / "studies" / "ci.toml"
@@ -99,9 +99,9 @@ def test_spec_errors_in_library(tmp_path):
             load_spec(_spec(tmp_path, name=f"s{i}", **over), check_model=False)
         assert needle in str(e.value), (over, str(e.value))
     with pytest.raises(StudyError, match="unknown executor"):
-        check_executor("threads", 2)
+        check_executor("threads", 2, StudyError)
     with pytest.raises(StudyError, match="--workers"):
-        check_executor("local", 0)
+        check_executor("local", 0, StudyError)
     assert check_executor("dask://10.0.0.1:8786", 1) == "dask://10.0.0.1:8786"
 
 
@@ -173,7 +173,7 @@ def test_ci_study_killed_and_resumed(tmp_path, model):
     # a changed spec is refused for this folder
     changed = tmp_path / "ci16.toml"
     changed.write_text(CI.read_text().replace("cap = 32", "cap = 16"))
-    one_line_error(run_cli("study", "run", changed, "--out", out), "different study spec", "new --out")
+    one_line_error(run_cli("study", "run", changed, "--out", out), "holds a study run of a different spec", "new --out")
 
     r = run_cli("study", "run", CI, "--out", out, "--workers", "2")
     assert r.returncode == 0, r.stderr

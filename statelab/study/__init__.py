@@ -5,9 +5,8 @@ into an xarray Dataset and a Markdown report (paper 6.2, S5.1, S5.2).
     spec      parse and validate ``studies/*.toml``; the normalised spec and its hash
     store     the output folder (spec.json, captures, controls, cells.jsonl) and the cell log
     controls  per-prompt captures, natural endpoints, shams, EMPTY/ALL controls
-    cells     cell tasks and the cell itself (subset cross + record)
-    worker    ``python -m statelab.study.worker``: one cell in a fresh process
-    executors local process-per-cell pool, Dask LocalCluster, Dask scheduler
+    cells     cell tasks and the cell itself (subset cross + record), run in a fresh
+              process by the engine's executors (statelab.experiments.executors)
     results   Dataset (results.nc) and report (report.md), without a model
     runner    run_study (controls, cells, resume, compile) and minimal_selection
 """

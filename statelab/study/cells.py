@@ -4,7 +4,7 @@
 :func:`run_cell` executes one task: load the model and the archived captures (verified),
 build the selection on the recipient's real state, run ``subset_cross`` in the recipient's
 configuration and classify the endpoint against both natural endpoints.  The runner calls
-it in a fresh process per cell (``python -m statelab.study.worker``).
+it in a fresh process per cell (:data:`CELL`, through :mod:`statelab.experiments.executors`).
 """
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ import numpy as np
 from ..analysis import endpoint_class, first_difference
 from ..archive import load_capture
 from ..errors import IdentityError
+from ..experiments.executors import Unit
+from ..experiments.naming import Direction
 from ..intervene import subset_cross
 from ..receiver import Endpoint
 from ..runtime import Model
 from ..selection import load_selector, select
-from ..experiments.naming import Direction
 from .spec import StudyError, cell_key
 
 
@@ -108,3 +109,14 @@ def run_cell(task: dict, model=None) -> dict:
                    "cell_s": t_done - t0},
         "pid": os.getpid(), "host": socket.gethostname(),
     }
+
+
+def cell_record(task: dict) -> dict:
+    """One cell's record in its fresh process; any failure becomes a failed record."""
+    try:
+        return run_cell(task)
+    except Exception as e:  # reported as a failed cell, never silently dropped
+        return failed_record(task, f"{type(e).__name__}: {e}")
+
+
+CELL = Unit("statelab.study.cells:cell_record", failed_record)  # how the executors run a cell

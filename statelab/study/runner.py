@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cells import plan
+from ..experiments.executors import check_executor, execute, probe_executor
+from .cells import CELL, plan
 from .controls import run_controls
-from .executors import check_executor, execute, probe_executor
 from .spec import StudyError, StudySpec, check_prompts_fit, load_spec
 from .store import CellLog, StudyDir
 
@@ -74,7 +74,7 @@ def run_study(spec_path, out=None, executor: str = "local", workers: int = 2, re
     rep = reporter or Reporter()
     t0 = time.perf_counter()
     spec = spec or load_spec(spec_path)  # every spec error surfaces here, before the folder is touched
-    check_executor(executor, workers)
+    check_executor(executor, workers, StudyError)
     sdir = StudyDir(out if out is not None else default_out(spec))
     with sdir.writer():  # one writer per folder; a second one is refused here
         return _run_locked(spec, sdir, executor, workers, rep, t0, on_compiled)
@@ -85,8 +85,8 @@ def _run_locked(spec: StudySpec, sdir: StudyDir, executor: str, workers: int, re
     from ..runtime import ContextConfig, Model, prepare_backend
     from .results import compile_study
 
-    sdir.check(spec)
-    probe_executor(executor)
+    sdir.check(spec.hash)
+    probe_executor(executor, StudyError)
 
     rep.phase("loading the model")
     prepare_backend(spec.backend)
@@ -124,7 +124,7 @@ def _run_locked(spec: StudySpec, sdir: StudyDir, executor: str, workers: int, re
     tc = time.perf_counter()
     overhead = {"startup_s": 0.0}
     try:
-        overhead = execute(todo, executor, workers, on_result)
+        overhead = execute(todo, CELL, executor, workers, on_result, error=StudyError)
     finally:
         cells_seconds = time.perf_counter() - tc
         rep.finish()

@@ -24,13 +24,12 @@ too short for a schedule...) is a :class:`StudyError` raised before any cell run
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..experiments.folder import normalized_hash
 from ..experiments.naming import Direction, parse_directions, slug
 from ..specfile import check_prompt_fits, spec_error
 
@@ -116,11 +115,6 @@ class StudySpec:
     def cell_keys(self) -> list[str]:
         return [cell_key(t, s, d, r) for t in self.task_ids for s in self.selector_names
                 for d in self.direction_labels for r in range(self.repeats)]
-
-
-def normalized_hash(normalized: dict) -> str:
-    """The spec hash: sha256 of the normalised spec's JSON with sorted keys."""
-    return hashlib.sha256(json.dumps(normalized, sort_keys=True).encode()).hexdigest()
 
 
 def cell_key(task: str, selector: str, direction: str, repeat: int) -> str:

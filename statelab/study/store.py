@@ -13,21 +13,17 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-from ..paths import atomic_write_text, exclusive_lock, read_json_record
-from .spec import FORMAT, StudyError, StudySpec, normalized_hash, slug
+from ..experiments.folder import RunFolder
+from ..paths import atomic_write_text
+from .spec import FORMAT, StudyError, StudySpec, slug
 
-LOCK_NAME = ".lock"
 
-
-class StudyDir:
+class StudyDir(RunFolder):
     def __init__(self, out: str | os.PathLike):
-        self.root = Path(out)
+        super().__init__(out, FORMAT, StudyError, "study")
 
-    spec_path = property(lambda self: self.root / "spec.json")
     cells_path = property(lambda self: self.root / "cells.jsonl")
     results_path = property(lambda self: self.root / "results.nc")
     report_path = property(lambda self: self.root / "report.md")
@@ -38,60 +34,8 @@ class StudyDir:
     def controls_path(self, prompt_id: str) -> Path:
         return self.root / "controls" / f"{slug(prompt_id)}.json"
 
-    # ------------------------------------------------------------------ writer lock
-    @contextmanager
-    def writer(self, create: bool = True) -> Iterator["StudyDir"]:
-        """Be the one process writing this folder (an OS lock on OUT/.lock, released when the
-        block ends or the process dies); another writer is refused at once with a StudyError.
-        ``create``: make the folder if missing (removed again if the block leaves it empty)."""
-        if not self.root.is_dir():
-            if not create or self.root.exists():
-                raise StudyError(f"{self.root} is not a study output folder (no spec.json)")
-            self.root.mkdir(parents=True)
-            made = True
-        else:
-            made = False
-        with exclusive_lock(self.root / LOCK_NAME, StudyError, f"study folder {self.root}"):
-            try:
-                yield self
-            finally:
-                if made and [p.name for p in self.root.iterdir()] == [LOCK_NAME]:
-                    (self.root / LOCK_NAME).unlink()
-                    self.root.rmdir()
-
-    # ------------------------------------------------------------------ spec
-    def read_spec(self) -> dict:
-        """OUT/spec.json, its normalised spec checked against its hash (an edit is refused)."""
-        rec = read_json_record(self.spec_path, FORMAT, StudyError,
-                               missing="{folder} is not a study output folder (no spec.json)")
-        try:
-            same = normalized_hash(rec["normalized"]) == rec["spec_hash"]
-        except (KeyError, TypeError, ValueError):
-            same = False
-        if not same:
-            raise StudyError(f"{self.spec_path}: the normalised spec does not match its hash (spec.json edited or "
-                             "damaged); restore it or name a new --out")
-        return rec
-
-    def check(self, spec: StudySpec) -> bool:
-        """Refuse a folder that holds another spec's results.  True when resuming."""
-        if self.spec_path.is_file():
-            old = self.read_spec()
-            if old["spec_hash"] != spec.hash:
-                raise StudyError(
-                    f"{self.root} holds results of a different study spec (hash {old['spec_hash'][:12]}, "
-                    f"this spec {spec.hash[:12]}); name a new --out to run the changed spec")
-            return True
-        if self.root.exists() and any(p.name != LOCK_NAME for p in self.root.iterdir()):
-            raise StudyError(f"{self.root} exists, is not empty and holds no spec.json; name a new --out")
-        return False
-
-    def claim(self, spec: StudySpec) -> bool:
-        resuming = self.check(spec)
-        if not resuming:
-            self.root.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.spec_path, json.dumps(spec.record(), indent=2, sort_keys=True))
-        return resuming
+    def claim(self, spec: StudySpec) -> bool:  # type: ignore[override]
+        return super().claim(spec.hash, spec.record())
 
     # ------------------------------------------------------------------ controls
     def read_controls(self, prompt_id: str) -> dict | None:
