@@ -6,7 +6,6 @@ ways, summarised as a table and written to a Markdown report.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -34,6 +33,19 @@ SELECTOR_MATRIX = ["EMPTY", "ALL", "L0_K", "L0_V", "L0", "K_ALL", "V_ALL", "EARL
                    "TAIL"]
 
 
+def matrix_spec_data(model_path, backend: str, arms: dict, tasks: list[str], cap: int, threads: int) -> dict:
+    """The demo's selector-matrix study spec as data (what a study TOML file would hold):
+    the first two arms, both directions, 2 repeats, the 12 selectors."""
+    names = list(arms)[:2]
+    data = {"name": f"demo-selector-matrix-{backend}", "backend": backend, "threads": threads, "cap": cap,
+            "repeats": 2, "prompts": list(tasks), "selectors": list(SELECTOR_MATRIX),
+            "directions": [f"{names[0]}->{names[1]}", f"{names[1]}->{names[0]}"],
+            "arms": {n: arms[n].name for n in names}}
+    if model_path is not None:
+        data["model"] = str(Path(model_path).resolve())
+    return data
+
+
 def selector_matrix(console, model_path, backend: str, arms: dict, tasks: list[str], cap: int, threads: int,
                     out: Path) -> tuple[str, list[str]]:
     """The 12-selector matrix in both directions with 2 repeats (a study run: fresh worker
@@ -43,20 +55,14 @@ def selector_matrix(console, model_path, backend: str, arms: dict, tasks: list[s
 
     from .study.progress import RichReporter
     from .study.runner import run_study
+    from .study.spec import spec_from_data
 
-    names = list(arms)[:2]
     workers = 2
     # ggml's threads spin-wait: never give the workers together more threads than there are cores
     threads = threads or max(1, (os.cpu_count() or workers) // workers)
-    lines = [f'name = "demo-selector-matrix-{backend}"', f'backend = "{backend}"', f"threads = {threads}",
-             f"cap = {cap}", "repeats = 2", f"prompts = {json.dumps(tasks)}", f"selectors = {json.dumps(SELECTOR_MATRIX)}",
-             f'directions = ["{names[0]}->{names[1]}", "{names[1]}->{names[0]}"]']
-    if model_path is not None:
-        lines.append(f'model = "{Path(model_path).resolve()}"')
-    lines += ["", "[arms]"] + [f'{n} = "{arms[n].name}"' for n in names]
-    spec_path = Path(out).with_suffix(".toml")
-    atomic_write_text(spec_path, "\n".join(lines) + "\n")
-    summary = run_study(spec_path, out, executor="local", workers=workers, reporter=RichReporter(console))
+    data = matrix_spec_data(model_path, backend, arms, tasks, cap, threads)
+    spec = spec_from_data(data, Path(out).with_suffix(".toml"))  # stands for a spec file beside the folder
+    summary = run_study(None, out, executor="local", workers=workers, reporter=RichReporter(console), spec=spec)
     ds = xr.load_dataset(summary.results)
     effects = [str(t) for t in ds["task"].values if (ds["klass"].sel(task=t) == "B").any()]
     report = Path(summary.report).read_text()

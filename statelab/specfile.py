@@ -36,6 +36,13 @@ def load_toml_spec(path: Path, kind: str, error: type[Exception], top_keys: Sequ
         raise spec_error(error, kind, path, f"malformed TOML: {e}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise spec_error(error, kind, path, f"cannot read: {e}") from None
+    return check_keys(data, path, kind, error, top_keys, required)
+
+
+def check_keys(data: dict, path: Path, kind: str, error: type[Exception], top_keys: Sequence[str],
+               required: Sequence[str]) -> dict:
+    """Refuse unknown top-level keys and missing required ones (a spec read from TOML or built
+    by a program alike)."""
     unknown = sorted(set(data) - set(top_keys))
     if unknown:
         raise spec_error(error, kind, path, f"unknown key(s) {', '.join(unknown)} (allowed: {', '.join(top_keys)})")

@@ -285,3 +285,21 @@ def test_failed_control_withholds_the_prompt(tiny_study, tmp_path, cli):
     assert "0 done, 0 failed, 2 withheld, 0 pending" in report
     r = cli("study", "run", spec, "--out", out)
     assert r.returncode == 1 and "controls failed: 2 cells withheld" in r.stderr, (r.returncode, r.stderr)
+
+
+def test_spec_as_data_equals_the_same_spec_read_from_toml(tmp_path):
+    """A program (the demo) passes a spec as data, no TOML text written and read back: the
+    same content gives the same spec and hash as the file; its errors read the same."""
+    import tomllib
+
+    from statelab.demo import arms_for, matrix_spec_data
+    from statelab.study.spec import spec_from_data
+
+    data = tomllib.loads(CI.read_text())
+    assert spec_from_data(data, CI, check_model=False).hash == load_spec(CI, check_model=False).hash
+    with pytest.raises(StudyError, match="unknown key"):
+        spec_from_data({**data, "colour": "red"}, CI, check_model=False)
+    demo = spec_from_data(matrix_spec_data(None, "cpu", arms_for("cpu"), ["HumanEval/2"], 8, 1),
+                          tmp_path / "matrix.toml", check_model=False)
+    assert [d.label for d in demo.directions] == ["A->R", "R->A"] and len(demo.selectors) == 12
+    assert demo.repeats == 2 and demo.cap == 8 and not (tmp_path / "matrix.toml").exists()

@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import specfile as sf
 from ..errors import ConfigError
 from ..experiments.folder import normalized_hash
 from ..experiments.naming import Direction, parse_directions, slug
@@ -131,10 +132,17 @@ def _err(path, msg: str) -> StudyError:
 def load_spec(path: str | os.PathLike, check_model: bool = True) -> StudySpec:
     """Parse and validate a study spec.  With ``check_model`` the model's GGUF header is
     read (no weights loaded) to check selector layers against its layer count."""
-    from .. import specfile as sf
-
     path = Path(path)
     data = sf.load_toml_spec(path, "study spec", StudyError, _TOP_KEYS, _REQUIRED)
+    return spec_from_data(data, path, check_model)
+
+
+def spec_from_data(data: dict, path: str | os.PathLike, check_model: bool = True) -> StudySpec:
+    """Validate a study spec given as data (what the TOML file holds), e.g. one a program
+    builds; ``path`` stands for the spec file: relative names (selectors, model, prompt
+    files) are looked up beside it and errors name it."""
+    path = Path(path)
+    sf.check_keys(data, path, "study spec", StudyError, _TOP_KEYS, _REQUIRED)
 
     def err(msg: str) -> StudyError:
         return _err(path, msg)
