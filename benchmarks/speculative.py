@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 from _report import machine, update_section
 
-from statelab.campaign import CampaignSpec, run_campaign
+from statelab.experiments.campaign import CampaignSpec, run_campaign
 from statelab.runtime.layouts import Layout
-from statelab.speculative import Arm, is_ngram
+from statelab.speculative.transaction import Arm, is_ngram
 
 GOAL = ("R", "C_QB", 1.5)
 

@@ -34,9 +34,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from statelab.study import CellLog, load_spec, run_study  # noqa: E402
-from statelab.study.cells import plan  # noqa: E402
-from statelab.study.store import StudyDir  # noqa: E402
+from statelab.experiments.matrix import CellLog, load_spec, run_study  # noqa: E402
+from statelab.experiments.matrix.cells import plan  # noqa: E402
+from statelab.experiments.matrix.store import StudyDir  # noqa: E402
 
 HEADING = "## Study executors"
 EXECUTORS = ("local-spawn", "local", "dask-local")
@@ -71,9 +71,9 @@ def breakdown(seed: Path, repeats: int = 3) -> dict:
 
     import numpy as np
 
-    from statelab.archive import check_importable, load_capture
-    from statelab.intervene import account, config_of
-    from statelab.receiver import continue_greedy
+    from statelab.lab.archive import check_importable, load_capture
+    from statelab.lab.intervene import account, config_of
+    from statelab.lab.receiver import continue_greedy
     from statelab.runtime import Context, Model
     from statelab.selection import apply_subset, load_selector, select
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 
-from .errors import ConfigError
+from statelab.errors import ConfigError
 
 MAX_TOKENS = 1 << 24  # context size, batch, microbatch, submission: tokens
 MAX_THREADS = 512  # GGML_MAX_N_THREADS of the pinned ggml

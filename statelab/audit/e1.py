@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..formation import Schedule
-from ..runtime.layouts import ATTENTION_LAYOUTS
-from .capture import check_layer, parse_node_name, run_graph
-from .capture import Geometry
+from statelab.errors import ConfigError
+from statelab.lab.formation import Schedule
+from statelab.runtime.layouts import ATTENTION_LAYOUTS
+from statelab.audit.capture import check_layer, parse_node_name, run_graph
+from statelab.audit.capture import Geometry
 
 PHASES = ("prefill", "continuation")
 LAYOUTS = ATTENTION_LAYOUTS
@@ -203,9 +203,9 @@ def view_maps_ok(cap: AttnCapture) -> bool:
 
 def continuation_tokens(model, prompt_tokens, n: int, base_config=None) -> np.ndarray:
     """The first n greedy continuation tokens after the whole prompt (native graph)."""
-    from ..runtime import Context, ContextConfig
+    from statelab.runtime import Context, ContextConfig
 
-    from .capture import context_size
+    from statelab.audit.capture import context_size
 
     toks = np.asarray(prompt_tokens, dtype=np.int32)
     cfg = (base_config or ContextConfig(backend=model.backend)).with_(
@@ -291,7 +291,7 @@ def _same(a: AttnCapture, b: AttnCapture) -> bool:
 
 
 def _diff(x: np.ndarray, y: np.ndarray):
-    from .oracles import ulp_distance
+    from statelab.audit.oracles import ulp_distance
 
     if x.shape != y.shape:
         return False, np.nan, -1
@@ -308,7 +308,7 @@ def run_e1(model, prompt_tokens, *, layers=None, phases=PHASES, qs=(1, 2, 3, 4),
     """Run E1 over layers x phases x qs (see module doc). Returns (xarray.Dataset, detail)."""
     import xarray as xr
 
-    from ..runtime import layouts as lay_api
+    from statelab.runtime import layouts as lay_api
 
     n_layer = model.n_layer
     layers = [0, n_layer // 2, n_layer - 1] if layers is None else [check_layer(model, int(x)) for x in layers]
@@ -502,7 +502,7 @@ def save_capture(cap: AttnCapture, identity: dict, path, meta: dict | None = Non
     import json
     from pathlib import Path
 
-    from ..paths import atomic_write_bytes, atomic_write_text
+    from statelab.paths import atomic_write_bytes, atomic_write_text
 
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
@@ -527,8 +527,8 @@ def load_capture(path, model=None) -> tuple[AttnCapture, dict]:
     """Read a folder written by :func:`save_capture`; with `model`, refuse a capture of another model."""
     from pathlib import Path
 
-    from ..errors import IdentityError
-    from ..paths import read_json_record
+    from statelab.errors import IdentityError
+    from statelab.paths import read_json_record
 
     p = Path(path)
     man = read_json_record(p / "manifest.json", CAPTURE_FORMAT, ConfigError,

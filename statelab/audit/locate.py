@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
-from .capture import (OUTPUT_NAMES, Geometry, GraphRun, check_layer, is_kv_cache_node, layer_filter,
+from statelab.errors import ConfigError
+from statelab.audit.capture import (OUTPUT_NAMES, Geometry, GraphRun, check_layer, is_kv_cache_node, layer_filter,
                       parse_geometry, parse_layers, parse_node_name, run_graph)
 
 _KV_AXIS = re.compile(r"^kq(_soft_max)?(_pq\d+)?$")
@@ -156,7 +156,7 @@ def _float_view(a: np.ndarray) -> np.ndarray:
 
 
 def _compare_rows(ra: dict, rb: dict):
-    from .oracles import ulp_distance
+    from statelab.audit.oracles import ulp_distance
 
     common = sorted(set(ra) & set(rb))
     n_diff, first, maxabs, maxulp = 0, None, 0.0, 0

@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError
-from .forkserver import ForkServer
-from .worker import MARKER
+from statelab.errors import ConfigError
+from statelab.experiments.forkserver import ForkServer
+from statelab.experiments.worker import MARKER
 
 EXECUTORS = ("local", "local-spawn", "dask-local")
 _DASK_ADDR = re.compile(r"^dask://(?P<host>[^:/\s]+):(?P<port>\d{1,5})$")

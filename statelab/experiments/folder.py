@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..paths import atomic_write_text, exclusive_lock, read_json_record
+from statelab.paths import atomic_write_text, exclusive_lock, read_json_record
 
 LOCK_NAME = ".lock"
 

@@ -46,12 +46,12 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from ..errors import StatelabError
+from statelab.errors import StatelabError
 
 READY = "STATELAB_FORKSERVER_READY"
 # what every experiment worker needs; imported once in the server (llama_cpp through
 # statelab.runtime.native.preload: the libraries load, no backend is initialised)
-DEFAULT_PRELOAD = ("numpy", "xarray", "statelab.study.cells", "statelab.frontier_run", "statelab.campaign")
+DEFAULT_PRELOAD = ("numpy", "xarray", "statelab.experiments.matrix.cells", "statelab.experiments.frontier_panels", "statelab.experiments.campaign")
 _HEAD = struct.Struct(">I")
 _MAX_FRAME = 1 << 30
 
@@ -144,7 +144,7 @@ def serve(sock_path: str, preload: list[str]) -> int:  # pragma: no cover - runs
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for m in preload:
         importlib.import_module(m)
-    from ..runtime.native import preload as preload_native
+    from statelab.runtime.native import preload as preload_native
 
     preload_native()
     gc.collect()

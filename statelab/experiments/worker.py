@@ -9,7 +9,7 @@ import json
 import sys
 import time
 
-from .forkserver import resolve
+from statelab.experiments.forkserver import resolve
 
 MARKER = "STATELAB_UNIT "
 

@@ -30,7 +30,7 @@ import ctypes
 from dataclasses import dataclass
 from enum import Enum
 
-from ..errors import StatelabError
+from statelab.errors import StatelabError
 
 ABI_VERSION = 1
 LAYOUTS = {"MQ": 0, "PQ": 1, "QB": 2}
@@ -146,7 +146,7 @@ class Admission:
 
 
 def _lib():
-    from .native import lib
+    from statelab.runtime.native import lib
     return lib()
 
 

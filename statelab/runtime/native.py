@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..errors import ConfigError, NativeBuildError
+from statelab.errors import ConfigError, NativeBuildError
 
 BACKENDS = ("cpu", "cuda", "vulkan")
 IDENTITY_FILE = "statelab_build.json"

@@ -11,18 +11,18 @@ from pathlib import Path
 
 import numpy as np
 
-from . import prompts
-from .analysis import bootstrap_ratio_interval, first_difference
-from .derive import derive_truncated
-from .errors import ConfigError, StatelabError
-from .experiments.executors import Unit, execute
-from .models import model_sha256, resolve_model
-from .paths import atomic_write_netcdf, atomic_write_text, exclusive_lock
-from .paths import cache_dir as default_cache
-from .runtime import Model, prepare_backend
-from .runtime.layouts import Layout
-from .speculative import Arm, Runner, SpecConfig, check_draft_paths, check_mask, is_ngram, parse_ngram
-from .study.store import CellLog, first_ok
+from statelab import prompts
+from statelab.analysis.classes import bootstrap_ratio_interval, first_difference
+from statelab.speculative.derive import derive_truncated
+from statelab.errors import ConfigError, StatelabError
+from statelab.experiments.executors import Unit, execute
+from statelab.models import model_sha256, resolve_model
+from statelab.paths import atomic_write_netcdf, atomic_write_text, exclusive_lock
+from statelab.paths import cache_dir as default_cache
+from statelab.runtime import Model, prepare_backend
+from statelab.runtime.layouts import Layout
+from statelab.speculative.transaction import Arm, Runner, SpecConfig, check_draft_paths, check_mask, is_ngram, parse_ngram
+from statelab.experiments.matrix.store import CellLog, first_ok
 
 DEFAULT_RATIOS = (("C_PQ", "C_QB"), ("C_GS", "C_QB"), ("C_QB", "M0"), ("R", "C_QB"))
 
@@ -137,7 +137,7 @@ def resolve_draft(target_path, draft: str | None, cache_dir: Path | None = None)
     return draft
 
 
-def _load_runner(model_path, draft, cfg: SpecConfig):
+def load_runner(model_path, draft, cfg: SpecConfig):
 
     prepare_backend(cfg.backend)
     tm = Model(model_path, backend=cfg.backend)
@@ -157,7 +157,7 @@ def _worker(job: dict) -> list[dict]:
     """One fresh process: load, one registered warmup, then the block's requests."""
 
     cfg = SpecConfig(**job["cfg"])
-    runner = _load_runner(job["model"], job["draft"], cfg)
+    runner = load_runner(job["model"], job["draft"], cfg)
     p = prompts.resolve(job["prompt"])
     out = []
     for i in range(job["repeats"]):
@@ -180,7 +180,7 @@ def block_failed(job: dict, error: str) -> dict:
     return {"block": job["block"], "error": " ".join(str(error).split())}
 
 
-BLOCK = Unit("statelab.campaign:block_result", block_failed)  # how the executors run a block
+BLOCK = Unit("statelab.experiments.campaign:block_result", block_failed)  # how the executors run a block
 
 
 def run_requests(jobs: list[dict], progress=None, on_block=None, stop=None) -> list[dict]:
@@ -412,7 +412,7 @@ def refused_arms(spec: CampaignSpec) -> dict[str, str]:
     products, which the scheduler would then run on the CPU): arm -> reason. Empty on the CPU."""
     if not any(Layout(Arm.parse(a).layout).device_must_admit(spec.backend) for a in spec.arms):
         return {}
-    from .audit.admission import device_refusal
+    from statelab.audit.admission import device_refusal
 
     with Model(spec.model, backend=spec.backend) as m:
         q = spec.spec_config().queries

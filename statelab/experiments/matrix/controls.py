@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 
-from ..analysis import endpoint_class, first_difference
-from ..receiver import Endpoint
-from ..selection import Selector, Term, apply_subset, select
+from statelab.analysis.classes import endpoint_class, first_difference
+from statelab.lab.receiver import Endpoint
+from statelab.selection import Selector, Term, apply_subset, select
 
 EMPTY = Selector("EMPTY", (), "control: nothing")
 ALL = Selector("ALL", (Term(),), "control: every K/V value")
@@ -27,9 +27,9 @@ def _fd(a: Endpoint, b: Endpoint) -> int | None:
 
 
 def run_controls(model, spec, prompt, sdir, base) -> dict:
-    from ..archive import load_capture, save_capture
-    from ..intervene import cross, natural, sham, subset_cross
-    from ..kvstate import compare
+    from statelab.lab.archive import load_capture, save_capture
+    from statelab.lab.intervene import cross, natural, sham, subset_cross
+    from statelab.kvstate import compare
 
     t0 = time.perf_counter()
     rec = {"prompt": prompt.id, "prompt_sha256": prompt.sha256, "spec_hash": spec.hash, "arms": {},

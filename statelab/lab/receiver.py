@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import ConfigError
+from statelab.errors import ConfigError
 
 DEFAULT_CAP = 128
 

@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, ModelError
-from .models import model_sha256, resolve_model
-from .paths import atomic_path
+from statelab.errors import ConfigError, ModelError
+from statelab.models import model_sha256, resolve_model
+from statelab.paths import atomic_path
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 DERIVED_FROM_KEY = "statelab.derived_from"

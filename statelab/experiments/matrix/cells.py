@@ -15,16 +15,16 @@ import time
 
 import numpy as np
 
-from ..analysis import endpoint_class, first_difference
-from ..archive import load_capture
-from ..errors import IdentityError
-from ..experiments.executors import Unit
-from ..experiments.naming import Direction
-from ..intervene import subset_cross
-from ..receiver import Endpoint
-from ..runtime import Model
-from ..selection import load_selector, select
-from .spec import StudyError, cell_key
+from statelab.analysis.classes import endpoint_class, first_difference
+from statelab.lab.archive import load_capture
+from statelab.errors import IdentityError
+from statelab.experiments.executors import Unit
+from statelab.experiments.naming import Direction
+from statelab.lab.intervene import subset_cross
+from statelab.lab.receiver import Endpoint
+from statelab.runtime import Model
+from statelab.selection import load_selector, select
+from statelab.experiments.matrix.spec import StudyError, cell_key
 
 
 def endpoint_sha256(tokens, eog: bool) -> str:
@@ -119,4 +119,4 @@ def cell_record(task: dict) -> dict:
         return failed_record(task, f"{type(e).__name__}: {e}")
 
 
-CELL = Unit("statelab.study.cells:cell_record", failed_record)  # how the executors run a cell
+CELL = Unit("statelab.experiments.matrix.cells:cell_record", failed_record)  # how the executors run a cell

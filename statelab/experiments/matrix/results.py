@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from ..analysis import (class_matrix_markdown, magnitude_separability, non_monotone_pairs,
+from statelab.analysis.classes import (class_matrix_markdown, magnitude_separability, non_monotone_pairs,
                         repeat_agreement, selector_lattice)
-from ..experiments.naming import Direction
-from ..paths import atomic_write_netcdf, atomic_write_text
-from .spec import StudyError, cell_key
-from .store import CellLog, StudyDir, first_ok
+from statelab.experiments.naming import Direction
+from statelab.paths import atomic_write_netcdf, atomic_write_text
+from statelab.experiments.matrix.spec import StudyError, cell_key
+from statelab.experiments.matrix.store import CellLog, StudyDir, first_ok
 
 INT_VARS = ("first_diff_recipient", "first_diff_donor", "selected_bytes", "changed_bytes", "length")
 FLOAT_VARS = ("share", "max_abs", "l2", "l2_rel")
@@ -99,7 +99,7 @@ def compile_dataset(spec: dict, ok: dict[str, dict], records: list[dict], contro
                      for v in DETERMINISTIC}, coords=coords)
     ds.attrs.update({"spec_hash": spec["spec_hash"], "study": norm["name"], "model_sha256": norm["model_sha256"],
                      "backend": norm["backend"], "cap": int(norm["cap"]),
-                     "arms": json.dumps(norm["arms"], sort_keys=True), "format": "statelab.study.results/1"})
+                     "arms": json.dumps(norm["arms"], sort_keys=True), "format": "statelab.experiments.matrix.results/1"})
     return ds
 
 
@@ -175,9 +175,9 @@ def bytes_section(ds: xr.Dataset) -> str:
 def _lattice_masks(sdir: StudyDir, spec: dict, task: str, controls: dict) -> dict:
     """Flat byte masks of the spec's selectors (and the EMPTY/ALL controls) on the
     recipient's real state of ``task``."""
-    from ..archive import load_capture
-    from ..selection import load_selector, select
-    from .controls import ALL, EMPTY
+    from statelab.lab.archive import load_capture
+    from statelab.selection import load_selector, select
+    from statelab.experiments.matrix.controls import ALL, EMPTY
 
     norm = spec["normalized"]
     recip = Direction.parse(norm["directions"][0]).recipient

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import IdentityError, StatelabError
-from .formation import Capture, Schedule
-from .paths import REPLACED, clean_stale_temporaries, read_json_record, temp_prefix
+from statelab.errors import IdentityError, StatelabError
+from statelab.lab.formation import Capture, Schedule
+from statelab.paths import REPLACED, clean_stale_temporaries, read_json_record, temp_prefix
 
 FORMAT = "statelab.capture/2"  # /2: sealed manifest
 
@@ -168,7 +168,7 @@ def _npy(data: bytes, what: str, src, dtype) -> np.ndarray:
 def load_capture(src: str | os.PathLike) -> Capture:
     """Read a capture and verify it: the manifest's seal, every file's sha256, the KV
     payload's hash and per-component hashes, the capture hashes and the token count."""
-    from .kvstate import KVFormatError, KVState, MemoryLayout
+    from statelab.kvstate import KVFormatError, KVState, MemoryLayout
 
     manifest, files = read_verified(Path(src), FORMAT)
     for need in ("tokens.npy", "logits.npy", "kv.bin"):
@@ -224,7 +224,7 @@ def check_replaceable_capture(dest: str | os.PathLike) -> None:
 
 def check_importable(cap: Capture, model, config, allow_other_backend: bool = False) -> None:
     """Refuse to import a capture into a context it does not belong to."""
-    from .runtime.context import KV_TYPES
+    from statelab.runtime.context import KV_TYPES
 
     ident = cap.identity
     if ident.get("model_sha256") != model.sha256:

@@ -11,10 +11,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import StatelabError
-from .limits import MAX_THREADS
-from .paths import atomic_write_netcdf, atomic_write_text
-from .runtime.layouts import ATTENTION_LAYOUTS
+from statelab.errors import StatelabError
+from statelab.limits import MAX_THREADS
+from statelab.paths import atomic_write_netcdf, atomic_write_text
+from statelab.runtime.layouts import ATTENTION_LAYOUTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="KV-state formation, intervention and transplantation on llama.cpp.")
@@ -30,15 +30,15 @@ CtxOpt = typer.Option(1024, "--n-ctx", help="context size")
 
 
 def _setup(model_path, backend: str, threads: int = 0, n_ctx: int = 1024):
-    from .runtime import ContextConfig, Model
+    from statelab.runtime import ContextConfig, Model
 
     config = ContextConfig(backend=backend, n_threads=threads, n_ctx=n_ctx)  # bounds checked before any load
     return Model(model_path, backend=backend), config
 
 
 def _prompt(prompt: Optional[str], humaneval: Optional[str], prompt_file: Optional[Path]):
-    from . import prompts
-    from .errors import ConfigError
+    from statelab import prompts
+    from statelab.errors import ConfigError
 
     given = [x is not None for x in (prompt, humaneval, prompt_file)]
     if sum(given) != 1:
@@ -59,8 +59,8 @@ PromptFileOpt = typer.Option(None, "--prompt-file", help="a UTF-8 text file used
 def doctor(model: Optional[Path] = ModelOpt, backend: str = typer.Option(None, "--backend", "-b",
            help="also load the model on this backend")):
     """Build identity, backends and devices, and the model's metadata."""
-    from .models import read_model_info
-    from .runtime import build_identity, list_devices, prepare_backend
+    from statelab.models import read_model_info
+    from statelab.runtime import build_identity, list_devices, prepare_backend
 
     if backend:
         prepare_backend(backend)
@@ -83,7 +83,7 @@ def doctor(model: Optional[Path] = ModelOpt, backend: str = typer.Option(None, "
         m.add_row(k, str(v))
     console.print(m)
     if model is not None:  # capabilities of a named model (loads it: the QB row asks the runtime)
-        from .models import capabilities, qb_admission
+        from statelab.models import capabilities, qb_admission
 
         c = Table(title=f"capabilities of {info.name}")
         for col in ("capability", "status", "detail"):
@@ -92,7 +92,7 @@ def doctor(model: Optional[Path] = ModelOpt, backend: str = typer.Option(None, "
             c.add_row(*row)
         console.print(c)
     if backend:
-        from .runtime import Model
+        from statelab.runtime import Model
 
         Model(model, backend=backend).close()
         console.print(f"[green]model loads on {backend}[/green]")
@@ -105,9 +105,9 @@ def generate(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
              cap: int = CapOpt, threads: int = ThreadsOpt, n_ctx: int = CtxOpt,
              json_out: bool = typer.Option(False, "--json", help="print the endpoint as JSON")):
     """Greedy continuation of a prompt."""
-    from .formation import parse_schedule
-    from .intervene import natural
-    from .receiver import check_cap
+    from statelab.lab.formation import parse_schedule
+    from statelab.lab.intervene import natural
+    from statelab.lab.receiver import check_cap
 
     check_cap(cap)
     p = _prompt(prompt, humaneval, prompt_file)
@@ -125,7 +125,7 @@ def generate(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
 
 
 def _capture_dir(path: Path):
-    from .archive import load_capture
+    from statelab.lab.archive import load_capture
 
     return load_capture(path)
 
@@ -143,9 +143,9 @@ def capture(out: Path = typer.Argument(..., help="output folder (must not exist)
                                              "(q8_0 needs --flash-attn)"),
             flash_attn: bool = typer.Option(False, "--flash-attn", help="flash attention (V stored untransposed)")):
     """Form a state with a prefill schedule and archive it (KV, initial FP32 logits, identities)."""
-    from .archive import ArchiveError, check_replaceable_capture, save_capture
-    from .formation import form, parse_schedule
-    from .runtime import ContextConfig
+    from statelab.lab.archive import ArchiveError, check_replaceable_capture, save_capture
+    from statelab.lab.formation import form, parse_schedule
+    from statelab.runtime import ContextConfig
 
     if overwrite:
         check_replaceable_capture(out)
@@ -181,9 +181,9 @@ def continue_(capture_dir: Path = typer.Argument(..., help="a capture folder"), 
               allow_backend: bool = typer.Option(False, "--allow-backend", help="allow another backend"),
               json_out: bool = JsonOpt):
     """Continue greedily from a capture through the common receiver."""
-    from .archive import check_importable
-    from .intervene import config_of, import_and_continue
-    from .receiver import check_cap
+    from statelab.lab.archive import check_importable
+    from statelab.lab.intervene import config_of, import_and_continue
+    from statelab.lab.receiver import check_cap
 
     check_cap(cap)
     c = _capture_dir(capture_dir)
@@ -200,11 +200,11 @@ def continue_(capture_dir: Path = typer.Argument(..., help="a capture folder"), 
 def sham_(capture_dir: Path = typer.Argument(...), cap: int = CapOpt, model: Optional[Path] = ModelOpt,
           json_out: bool = JsonOpt):
     """Restore a capture into its own path and compare with its natural endpoint."""
-    from .analysis import first_difference
-    from .formation import prefill
-    from .intervene import config_of, sham
-    from .receiver import check_cap, continue_greedy
-    from .runtime import Context
+    from statelab.analysis.classes import first_difference
+    from statelab.lab.formation import prefill
+    from statelab.lab.intervene import config_of, sham
+    from statelab.lab.receiver import check_cap, continue_greedy
+    from statelab.runtime import Context
 
     check_cap(cap)
     c = _capture_dir(capture_dir)
@@ -230,7 +230,7 @@ def cross_(donor: Path = typer.Argument(..., help="donor capture"),
            allow_backend: bool = typer.Option(False, "--allow-backend", help="allow a cross-backend transplant"),
            model: Optional[Path] = ModelOpt, json_out: bool = JsonOpt):
     """Whole-KV cross: the donor's KV imported into the recipient's path."""
-    from .intervene import config_of, cross
+    from statelab.lab.intervene import config_of, cross
 
     d, r = _capture_dir(donor), _capture_dir(recipient)
     m, _ = _setup(model, config_of(r).backend)
@@ -245,8 +245,8 @@ def cross_(donor: Path = typer.Argument(..., help="donor capture"),
 def diff(a: Path = typer.Argument(..., help="capture A"), b: Path = typer.Argument(..., help="capture B"),
          plot: Optional[Path] = typer.Option(None, "--plot", help="also draw the per-layer K/V profile into this PNG")):
     """Per-layer table of differences between two captures' KV states."""
-    from .api import comparable_states, difference_summary
-    from .kvstate import compare
+    from statelab.api import comparable_states, difference_summary
+    from statelab.kvstate import compare
 
     ca, cb = _capture_dir(a), _capture_dir(b)
     sa, sb = comparable_states(ca, cb)
@@ -271,7 +271,7 @@ def diff(a: Path = typer.Argument(..., help="capture A"), b: Path = typer.Argume
                       f"({ca.n_prompt} and {cb.n_prompt} tokens)", markup=False, highlight=False)
 
     if plot is not None:
-        from .report import diff_plot
+        from statelab.report import diff_plot
 
         console.print(f"plot: {diff_plot(ca, cb, d.records(), plot)}")
 
@@ -293,8 +293,8 @@ def import_state(file: Path = typer.Argument(..., help="llama.cpp state file (ll
                      None, "--source-backend", help="the backend that formed the state, when known"),
                  threads: int = ThreadsOpt, n_ctx: int = CtxOpt):
     """Import a llama.cpp state file as a verified capture (tokens, vocabulary, geometry checked)."""
-    from .archive import save_capture
-    from .interop import import_state_file
+    from statelab.lab.archive import save_capture
+    from statelab.lab.interop import import_state_file
 
     p = _optional_prompt(prompt, humaneval, prompt_file)
     m, base = _setup(model, backend, threads, n_ctx)
@@ -315,7 +315,7 @@ def export_state(capture_dir: Path = typer.Argument(..., help="a capture folder"
                                              "-np N without --kv-unified has N)"),
                  overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing file")):
     """Write a capture as a llama.cpp state file."""
-    from .interop import export_state_file
+    from statelab.lab.interop import export_state_file
 
     c = _capture_dir(capture_dir)
     path = export_state_file(c, file, kind, model, overwrite, streams)
@@ -333,9 +333,9 @@ def sweep(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEva
     from rich.markup import escape
     from rich.progress import Progress
 
-    from .formation import PRESETS, parse_schedule, partition_sweep
-    from .partition import sweep as run_sweep
-    from .receiver import check_cap
+    from statelab.lab.formation import PRESETS, parse_schedule, partition_sweep
+    from statelab.experiments.partition import sweep as run_sweep
+    from statelab.lab.receiver import check_cap
 
     check_cap(cap)
     p = _prompt(prompt, humaneval, prompt_file)
@@ -370,7 +370,7 @@ def demo(model: Optional[Path] = ModelOpt, backend: str = BackendOpt, cap: int =
          matrix_cap: int = typer.Option(48, help="output cap of the selector matrix and frontier panels")):
     """The main job: a partition study on a few HumanEval prompts (natural arms, shams,
     whole-KV crosses both ways) with arms that differ on this backend."""
-    from . import demo as demo_mod
+    from statelab.experiments import demo as demo_mod
 
     rows = demo_mod.run(console, model, backend, cap, (tasks or demo_mod.default_tasks(backend)).split(","), threads,
                         out, frontier_cap=matrix_cap, matrix=matrix, matrix_cap=matrix_cap)
@@ -392,10 +392,10 @@ def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)
               executor: str = typer.Option("local", "--executor", "-e", help="local (fork server), local-spawn, dask-local or dask://HOST:PORT"),
               workers: int = typer.Option(2, "--workers", "-w", help="cells running at once")):
     """Run (or resume) a study: controls per prompt, then every cell in a fresh process."""
-    from .study import run_study
-    from .study.progress import RichReporter
+    from statelab.experiments.matrix import run_study
+    from statelab.experiments.matrix.progress import RichReporter
 
-    from .report import study_page
+    from statelab.report import study_page
 
     s = run_study(spec, out, executor, workers, RichReporter(err), on_compiled=study_page)
     console.print(f"{'resumed' if s.resumed else 'ran'} {s.out}: {s.ran} cells run ({s.failed} failed), "
@@ -412,8 +412,8 @@ def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)
 @study_app.command("report")
 def study_report(out: Path = typer.Argument(..., help="a study output folder")):
     """Recompile results.nc and report.md from cells.jsonl (no model needed)."""
-    from .report import study_page
-    from .study import compile_study
+    from statelab.report import study_page
+    from statelab.experiments.matrix import compile_study
 
     ds, md = compile_study(out, on_compiled=study_page)  # the page too is written under the folder's lock
     n_ok = int((ds.status.values == "ok").sum())
@@ -428,7 +428,7 @@ def study_minimal(spec: Path = typer.Argument(..., help="study spec"),
                   out: Optional[Path] = typer.Option(None, "--out", "-o", help="reuse this study folder's captures"),
                   json_out: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON")):
     """Search a small sufficient selection (layers, then positions) reproducing the donor."""
-    from .study import minimal_selection
+    from statelab.experiments.matrix import minimal_selection
 
     res = minimal_selection(spec, prompt, direction, out,
                             progress=lambda t: err.print(f"[dim]layers {t['layers']} positions {t['positions']}: "
@@ -455,7 +455,7 @@ def model_derive(out: Path = typer.Argument(..., help="output GGUF file"),
                  model: Optional[Path] = ModelOpt,
                  overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing output file")):
     """Write a copy of a GGUF model keeping its first N blocks (tensors copied byte for byte)."""
-    from .derive import derive_truncated
+    from statelab.speculative.derive import derive_truncated
 
     r = derive_truncated(model, out, layers, overwrite=overwrite)
     console.print(f"{r['path']}\n{r['n_layers']} of {r['source_layers']} layers, {r['tensors']} tensors "
@@ -486,16 +486,16 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
              cap: int = CapOpt, model: Optional[Path] = ModelOpt, draft: str = DraftOpt, backend: str = BackendOpt,
              threads: int = ThreadsOpt, json_out: Optional[Path] = typer.Option(None, "--json")):
     """Run arms on one prompt in this process; qualify each against R; time qualified arms."""
-    from .audit.admission import device_refusal
-    from .campaign import _load_runner, resolve_draft
-    from .speculative import Arm, SpecConfig, qualify
+    from statelab.audit.admission import device_refusal
+    from statelab.experiments.campaign import load_runner, resolve_draft
+    from statelab.speculative.transaction import Arm, SpecConfig, qualify
 
     names = [a.strip() for a in arms.split(",") if a.strip()]
     need_draft = any([Arm.parse(a).draft for a in names])  # a list: every name is checked
     cfg = SpecConfig(k=k, ubatch=ubatch, mask=mask, cap=cap, backend=backend, threads=threads, k_max=k_max,
                      fixed_rows=fixed_rows)
     p = _prompt(prompt, humaneval, prompt_file)
-    runner = _load_runner(model, resolve_draft(model, draft) if need_draft else None, cfg)
+    runner = load_runner(model, resolve_draft(model, draft) if need_draft else None, cfg)
     if "R" not in names:
         names = ["R"] + names
     for a in list(names):
@@ -532,7 +532,7 @@ def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see
     """Fresh worker processes, counterbalanced blocks, sessions, bootstrap intervals; resumable."""
     from rich.progress import Progress
 
-    from .campaign import CampaignSpec, plan, run_campaign
+    from statelab.experiments.campaign import CampaignSpec, plan, run_campaign
 
     spec = CampaignSpec.load(spec_path, draft=draft, k=k, k_max=k_max)
     with Progress(console=console, transient=True) as prog:
@@ -542,7 +542,7 @@ def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see
         console.print(f"incomplete: {res['blocks_done']} of {res['blocks']} blocks in {out}; run the same command "
                       "again to continue")
         raise typer.Exit(3)
-    from .report import campaign_page
+    from statelab.report import campaign_page
 
     console.print(res["report"], markup=False, highlight=False)
     console.print(f"results: {out}/results.nc, {out}/report.md, {campaign_page(out, res['contrasts'], spec.threshold)}")
@@ -557,8 +557,8 @@ def spec_masks(tasks: str = typer.Option("HumanEval/0,HumanEval/2,HumanEval/4,Hu
     """Phase-mask experiment: which masks reproduce R; the inclusion-minimal ones."""
     from rich.progress import Progress
 
-    from .campaign import mask_markdown, phase_mask_experiment, resolve_draft
-    from .errors import ConfigError
+    from statelab.experiments.campaign import mask_markdown, phase_mask_experiment, resolve_draft
+    from statelab.errors import ConfigError
 
     if "-" in masks:
         try:
@@ -600,13 +600,13 @@ def frontier_run_(spec: Path = typer.Argument(..., help="frontier spec (studies/
                   executor: str = typer.Option("local", "--executor", "-e", help="local (fork server), local-spawn, "
                                                "dask-local or dask://HOST:PORT")):
     """Run (or resume) a frontier spec: traces in fresh processes, then results.nc, report.md, plots."""
-    from .frontier_run import run_frontier
+    from statelab.experiments.frontier_panels import run_frontier
 
     s = run_frontier(spec, out, workers, say=_frontier_say, executor=executor)
     console.print(f"{s.out}: {s.ran} worker(s) run, {s.skipped} already done, {s.seconds:.0f} s; "
                   f"{s.n_frontiers} panel repeat(s) with a frontier; repeats agree on {s.agreement[0]} of "
                   f"{s.agreement[1]} compared contrasts", markup=False, highlight=False, soft_wrap=True)
-    from .report import frontier_page
+    from statelab.report import frontier_page
 
     console.print(f"report: {s.report}, {frontier_page(s.out)}\nresults: {s.results}", markup=False, highlight=False,
                   soft_wrap=True)
@@ -615,7 +615,7 @@ def frontier_run_(spec: Path = typer.Argument(..., help="frontier spec (studies/
 @frontier_app.command("analyse")
 def frontier_analyse_(results_dir: Path = typer.Argument(..., help="a frontier run folder")):
     """Recompute the dataset, tables and plots from the stored traces (no model is loaded)."""
-    from .frontier_run import analyse_run, write_outputs
+    from statelab.experiments.frontier_panels import analyse_run, write_outputs
 
     r = analyse_run(results_dir)
     paths = write_outputs(results_dir, r)
@@ -623,7 +623,7 @@ def frontier_analyse_(results_dir: Path = typer.Argument(..., help="a frontier r
     console.print(f"{results_dir}: {r.n_frontiers} panel repeat(s) with a frontier; repeats agree on "
                   f"{a['n_agree']} of {a['n_compared']} compared contrasts", markup=False, highlight=False,
                   soft_wrap=True)
-    from .report import frontier_page
+    from statelab.report import frontier_page
 
     console.print(f"report: {paths['report']}, {frontier_page(results_dir, r.ds)}\nresults: {paths['results']}",
                   markup=False, highlight=False, soft_wrap=True)
@@ -648,7 +648,7 @@ def _audit_write(out: Optional[Path], md: str, ds, name: str = "results.nc") -> 
 
 
 def _audit_prompt_tokens(m, prompt, humaneval, prompt_file, default_task: str = "HumanEval/2"):
-    from . import prompts
+    from statelab import prompts
 
     if prompt is None and humaneval is None and prompt_file is None:
         p = prompts.humaneval(default_task)
@@ -658,7 +658,7 @@ def _audit_prompt_tokens(m, prompt, humaneval, prompt_file, default_task: str = 
 
 
 def _int_list(text: str, what: str) -> list[int]:
-    from .errors import ConfigError
+    from statelab.errors import ConfigError
 
     try:
         vals = [int(x) for x in str(text).split(",") if x.strip()]
@@ -673,7 +673,7 @@ def _int_list(text: str, what: str) -> list[int]:
 def audit_layouts(quick: bool = typer.Option(False, "--quick", help="a small fixture subset"),
                   out: Optional[Path] = AuditOutOpt):
     """Integer address oracle, fault injection and FP64/F32 oracles of MQ/PQ/QB (no model)."""
-    from .audit.oracles import audit_markdown, run_layout_audit
+    from statelab.audit.oracles import audit_markdown, run_layout_audit
 
     ds, passed = run_layout_audit(quick=quick)
     md = audit_markdown(ds)
@@ -690,8 +690,8 @@ def audit_backends(model: Optional[Path] = ModelOpt, backend: str = BackendOpt,
                    out: Optional[Path] = AuditOutOpt):
     """Ask every backend device whether it supports the MQ/PQ/QB attention operators
     (ggml_backend_dev_supports_op), next to what the runtime built."""
-    from .audit.admission import AttnShape, admission_markdown, run_admission
-    from .errors import ConfigError
+    from statelab.audit.admission import AttnShape, admission_markdown, run_admission
+    from statelab.errors import ConfigError
 
     m, base = _setup(model, backend)
     if n_kv < 1:
@@ -709,9 +709,9 @@ def audit_matmul(model: Optional[Path] = ModelOpt, backend: str = BackendOpt,
                  threads: int = ThreadsOpt, out: Optional[Path] = AuditOutOpt):
     """For each weight type of the model, each device and buffer type: is a q-row product bitwise
     equal to q 1-row products (q = 1..max-q), natively and with the row-by-row repair (+W)."""
-    from .audit.matmul import matmul_markdown, repaired_everywhere, run_matmul_audit
-    from .runtime.ggml_ops import backend_devices
-    from .runtime.native import devices_for_backend
+    from statelab.audit.matmul import matmul_markdown, repaired_everywhere, run_matmul_audit
+    from statelab.runtime.ggml_ops import backend_devices
+    from statelab.runtime.native import devices_for_backend
 
     m, _ = _setup(model, backend, threads)
     devs = [d for d in backend_devices() if d.type == "CPU"] + devices_for_backend(backend)
@@ -735,9 +735,9 @@ def audit_e1(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
              backend: str = BackendLongOpt, threads: int = ThreadsOpt, out: Optional[Path] = AuditOutOpt):
     """E1: capture Q/K/V/mask and QK/softmax/AV at target layers under MQ, PQ and QB
     (controls first), compare bitwise with max |d| and ULP (default prompt HumanEval/2)."""
-    from .audit.capture import parse_layers
-    from .audit.e1 import e1_markdown, run_e1, save_capture
-    from .audit.replay import replay_e1, replay_markdown
+    from statelab.audit.capture import parse_layers
+    from statelab.audit.e1 import e1_markdown, run_e1, save_capture
+    from statelab.audit.replay import replay_e1, replay_markdown
 
     m, base = _setup(model, backend, threads)
     p, toks = _audit_prompt_tokens(m, prompt, humaneval, prompt_file)
@@ -778,11 +778,11 @@ def replay_cmd(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Hum
     in-place aliasing excluded) and its attention operands as MQ/PQ/QB standalone graphs."""
     import numpy as np
 
-    from .audit.capture import Geometry, check_layer, run_graph
-    from .audit.e1 import MAX_Q, extract_attention, load_capture
-    from .audit.replay import ops_markdown, replay_attention, replay_ops
-    from .errors import ConfigError
-    from .formation import Schedule
+    from statelab.audit.capture import Geometry, check_layer, run_graph
+    from statelab.audit.e1 import MAX_Q, extract_attention, load_capture
+    from statelab.audit.replay import ops_markdown, replay_attention, replay_ops
+    from statelab.errors import ConfigError
+    from statelab.lab.formation import Schedule
 
     m, base = _setup(model, backend, threads)
     if capture_dir is not None:
@@ -798,7 +798,7 @@ def replay_cmd(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Hum
             raise ConfigError(f"the prompt has {len(toks)} tokens, fewer than q={q}")
 
         def mine(name):
-            from .audit.capture import name_layer
+            from statelab.audit.capture import name_layer
 
             return name_layer(name) == layer
 
@@ -851,8 +851,8 @@ def locate_cmd(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Hum
                json_out: bool = typer.Option(False, "--json", help="print the first divergence as JSON")):
     """Divergence locator: capture every graph node under two geometries and name the first
     node (layer, op) whose outputs differ on the same token positions."""
-    from .audit.locate import locate, locate_markdown
-    from .errors import ConfigError
+    from statelab.audit.locate import locate, locate_markdown
+    from statelab.errors import ConfigError
 
     m, base = _setup(model, backend, threads)
     p, toks = _audit_prompt_tokens(m, prompt, humaneval, prompt_file)
@@ -934,7 +934,3 @@ def main():
     if rc == 130:
         print("interrupted", file=sys.stderr)
     sys.exit(rc if isinstance(rc, int) else 0)
-
-
-if __name__ == "__main__":
-    main()

@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
-from .runner import Reporter
+from statelab.experiments.matrix.runner import Reporter
 
 
 class RichReporter(Reporter):

@@ -5,14 +5,14 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .errors import DecodeError, IdentityError
-from .formation import Capture, form
-from .receiver import DEFAULT_CAP, Endpoint, check_cap, continue_greedy
+from statelab.errors import DecodeError, IdentityError
+from statelab.lab.formation import Capture, form
+from statelab.lab.receiver import DEFAULT_CAP, Endpoint, check_cap, continue_greedy
 
 
 def config_of(capture: Capture):
     """The recipient path's context configuration, as recorded in the capture."""
-    from .runtime import ContextConfig
+    from statelab.runtime import ContextConfig
 
     c = capture.identity["context"]
     return ContextConfig(**{f.name: c[f.name] for f in fields(ContextConfig) if f.name in c})
@@ -48,7 +48,7 @@ def import_and_continue(model, config, blob: bytes, logits0: np.ndarray, n_promp
                         trace: bool = False) -> Endpoint:
     """The common receiver with read-back verification: the imported state must read back
     byte for byte before any token is decoded."""
-    from .runtime import Context
+    from statelab.runtime import Context
 
     if not np.all(np.isfinite(logits0)):
         raise DecodeError("the capture has no initial logits (a state imported without them): import it again "
@@ -66,7 +66,7 @@ def import_and_continue(model, config, blob: bytes, logits0: np.ndarray, n_promp
 
 def sham(model, capture: Capture, cap: int = DEFAULT_CAP, trace: bool = False) -> Endpoint:
     """A capture restored into its own path; must reproduce the natural endpoint."""
-    from .archive import check_importable
+    from statelab.lab.archive import check_importable
 
     config = config_of(capture)
     check_importable(capture, model, config)
@@ -83,7 +83,7 @@ def _same_prompt(a: Capture, b: Capture) -> None:
 
 
 def account(recipient_state, new_state, selected_bytes: int, verified: bool) -> ImportAccount:
-    from .kvstate import compare
+    from statelab.kvstate import compare
 
     d = compare(recipient_state, new_state, reference=recipient_state)
     return ImportAccount(selected_bytes, int(d.changed_bytes), int(recipient_state.value_nbytes),
@@ -93,7 +93,7 @@ def account(recipient_state, new_state, selected_bytes: int, verified: bool) -> 
 def cross(model, donor: Capture, recipient: Capture, logits_from: str = "recipient", cap: int = DEFAULT_CAP,
           trace: bool = False, allow_other_backend: bool = False):
     """Whole-KV cross: the donor's KV in the recipient's path; logits from `logits_from`."""
-    from .archive import check_importable
+    from statelab.lab.archive import check_importable
 
     if logits_from not in ("recipient", "donor"):
         raise IdentityError(f"logits_from must be 'recipient' or 'donor', got {logits_from!r}")
@@ -109,8 +109,8 @@ def cross(model, donor: Capture, recipient: Capture, logits_from: str = "recipie
 def subset_cross(model, donor: Capture, recipient: Capture, selection, cap: int = DEFAULT_CAP,
                  trace: bool = False, allow_other_backend: bool = False):
     """Only the selected bytes come from the donor; the recipient keeps its initial logits."""
-    from .archive import check_importable
-    from .selection import apply_subset
+    from statelab.lab.archive import check_importable
+    from statelab.selection import apply_subset
 
     _same_prompt(donor, recipient)
     config = config_of(recipient)

@@ -10,10 +10,10 @@ into an xarray Dataset and a Markdown report (paper 6.2, S5.1, S5.2).
     results   Dataset (results.nc) and report (report.md), without a model
     runner    run_study (controls, cells, resume, compile) and minimal_selection
 """
-from .results import DETERMINISTIC, compile_dataset, compile_study, load_dataset
-from .runner import Reporter, RunSummary, default_out, minimal_selection, run_study
-from .spec import Direction, StudyError, StudySpec, cell_key, load_spec
-from .store import CellLog, StudyDir
+from statelab.experiments.matrix.results import DETERMINISTIC, compile_dataset, compile_study, load_dataset
+from statelab.experiments.matrix.runner import Reporter, RunSummary, default_out, minimal_selection, run_study
+from statelab.experiments.matrix.spec import Direction, StudyError, StudySpec, cell_key, load_spec
+from statelab.experiments.matrix.store import CellLog, StudyDir
 
 __all__ = ["DETERMINISTIC", "CellLog", "Direction", "Reporter", "RunSummary", "StudyDir", "StudyError", "StudySpec",
            "cell_key", "compile_dataset", "compile_study", "default_out", "load_dataset", "load_spec",

@@ -28,13 +28,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import specfile as sf
-from ..errors import ConfigError
-from ..experiments.folder import normalized_hash
-from ..experiments.naming import Direction, parse_directions, slug
-from ..specfile import check_prompt_fits, spec_error
+from statelab.experiments import specfile as sf
+from statelab.errors import ConfigError
+from statelab.experiments.folder import normalized_hash
+from statelab.experiments.naming import Direction, parse_directions, slug
+from statelab.experiments.specfile import check_prompt_fits, spec_error
 
-FORMAT = "statelab.study/1"
+FORMAT = "statelab.experiments.matrix/1"
 _TOP_KEYS = ("name", "description", "model", "backend", "threads", "n_ctx", "cap", "repeats", "prompts",
              "selectors", "directions", "arms")
 _REQUIRED = ("cap", "prompts", "selectors", "directions", "arms")  # cap decides every endpoint: never implied
@@ -186,7 +186,7 @@ def spec_from_data(data: dict, path: str | os.PathLike, check_model: bool = True
 def check_against_model(spec: StudySpec) -> None:
     """Resolve the model file, read its header (identity, layer count) and check every
     selector's layer indices against it."""
-    from ..specfile import check_against_model as check
+    from statelab.experiments.specfile import check_against_model as check
 
     check(spec, lambda msg: _err(spec.path, msg))
 

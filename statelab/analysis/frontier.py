@@ -53,8 +53,8 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from .errors import StatelabError
-from .paths import atomic_write_netcdf
+from statelab.errors import StatelabError
+from statelab.paths import atomic_write_netcdf
 
 __all__ = [
     "ARMS", "PANEL_COMPONENTS", "VARIABLES", "FORMAT_VERSION",

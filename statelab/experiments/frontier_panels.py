@@ -4,7 +4,7 @@ A *panel* (paper S5.2) is one (task, recipient arm, direction, panel name) coord
 four subset crosses through the common receiver, each recorded with its full FP32 logit
 trace: EMPTY, component 1 only, component 2 only and BOTH (the union of the two component
 selections: ``L0 = L0_K | L0_V``, ``POSITION = PREFIX | TAIL = ALL``).  The analysis itself
-is :mod:`statelab.frontier` (numpy/xarray only); this module produces and stores its inputs.
+is :mod:`statelab.analysis.frontier` (numpy/xarray only); this module produces and stores its inputs.
 
 Spec (``studies/frontier-*.toml``)::
 
@@ -59,24 +59,24 @@ from pathlib import Path
 
 import numpy as np
 
-from . import frontier as F
-from . import specfile as sf
-from .analysis import first_difference
-from .archive import ArchiveError, load_capture, read_verified, save_capture, write_files_atomic
-from .errors import ConfigError, IdentityError, StatelabError
-from .experiments.executors import Unit, check_executor, execute, probe_executor
-from .experiments.folder import RunFolder
-from .experiments.naming import Direction, parse_directions, slug
-from .formation import PRESETS
-from .intervene import account, natural, subset_cross
-from .paths import atomic_write_text, read_json_record
-from .receiver import Endpoint
-from .runtime import ContextConfig, Model, prepare_backend
-from .selection import Selection, apply_subset, load_selector, select
-from .specfile import check_prompt_fits, spec_error
+from statelab.analysis import frontier as F
+from statelab.experiments import specfile as sf
+from statelab.analysis.classes import first_difference
+from statelab.lab.archive import ArchiveError, load_capture, read_verified, save_capture, write_files_atomic
+from statelab.errors import ConfigError, IdentityError, StatelabError
+from statelab.experiments.executors import Unit, check_executor, execute, probe_executor
+from statelab.experiments.folder import RunFolder
+from statelab.experiments.naming import Direction, parse_directions, slug
+from statelab.lab.formation import PRESETS
+from statelab.lab.intervene import account, natural, subset_cross
+from statelab.paths import atomic_write_text, read_json_record
+from statelab.lab.receiver import Endpoint
+from statelab.runtime import ContextConfig, Model, prepare_backend
+from statelab.selection import Selection, apply_subset, load_selector, select
+from statelab.experiments.specfile import check_prompt_fits, spec_error
 
-SPEC_FORMAT = "statelab.frontier-spec/1"
-TRACE_FORMAT = "statelab.frontier-trace/1"
+SPEC_FORMAT = "statelab.analysis.frontier-spec/1"
+TRACE_FORMAT = "statelab.analysis.frontier-trace/1"
 ARMS = ("EMPTY", "C1", "C2", "BOTH")
 DEFAULT_PANELS = {"L0": ("L0_K", "L0_V"), "POSITION": ("PREFIX", "TAIL")}  # = frontier.PANEL_COMPONENTS
 
@@ -385,7 +385,7 @@ def run_unit(task: dict, model=None) -> dict:
     return {"key": task["key"], "runs": len(runs), "seconds": time.perf_counter() - t0, "pid": os.getpid()}
 
 
-UNIT_FN = "statelab.frontier_run:unit_result"
+UNIT_FN = "statelab.experiments.frontier_panels:unit_result"
 
 
 def unit_result(task: dict) -> dict:

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import IdentityError, StatelabError
-from .formation import REST, Capture, Schedule
-from .kvstate import SEQ_STATE_MAGIC, KVFormatError, KVState
+from statelab.errors import IdentityError, StatelabError
+from statelab.lab.formation import REST, Capture, Schedule
+from statelab.kvstate import SEQ_STATE_MAGIC, KVFormatError, KVState
 
 SEQ_FILE_MAGIC = 0x67677371  # 'ggsq' LLAMA_STATE_SEQ_MAGIC
 SEQ_FILE_VERSION = 3  # LLAMA_STATE_SEQ_VERSION
@@ -250,7 +250,7 @@ def sequence_zero_state(memory: bytes, source: str) -> KVState:
 
 
 def _kv_type_name(t: int) -> str:
-    from .runtime.context import KV_TYPES
+    from statelab.runtime.context import KV_TYPES
 
     names = {v: k for k, v in KV_TYPES.items()}
     if t not in names:
@@ -357,7 +357,7 @@ def _recipient_config(st: KVState, config, n: int, source: str):
 def restore_in_recipient(model, config, blob: bytes, tokens: np.ndarray, source: str, recompute: bool):
     """The real library takes the state and reads it back byte for byte; with ``recompute`` the
     last token's logits are re-evaluated there (:func:`recompute_last_logits`)."""
-    from .runtime import Context
+    from statelab.runtime import Context
 
     n = len(tokens)
     with Context(model, config) as ctx:
@@ -380,7 +380,7 @@ _UNKNOWN = ["backend", "device", "build", "schedule (prompt submissions and ubat
 
 def imported_identity(inc: Incoming, model, config, prompt, logits: str, source_backend: str | None) -> dict:
     """Identities of an imported capture: what the file says, what was checked, the rest unknown."""
-    from .runtime import context_identity
+    from statelab.runtime import context_identity
 
     recipient = context_identity(model, config)
     checked = "tokens within the vocabulary, KV geometry" + (", architecture" if inc.arch else "") + \
@@ -433,7 +433,7 @@ def import_state_file(path, model, config, **kw) -> Capture:
 
 def model_arch(capture: Capture, model_path=None) -> str:
     """The architecture of the capture's model (read from its GGUF header; the hash must match)."""
-    from .models import read_model_info
+    from statelab.models import read_model_info
 
     path = model_path or capture.identity.get("model_path")
     if not path:
@@ -447,7 +447,7 @@ def model_arch(capture: Capture, model_path=None) -> str:
 def export_state_file(capture: Capture, path, kind: str = "seq", model_path=None, overwrite: bool = False,
                       n_stream: int = 1) -> Path:
     """``statelab export-state``: write a capture as a llama.cpp state file (atomically)."""
-    from .paths import atomic_write_bytes
+    from statelab.paths import atomic_write_bytes
 
     p = Path(path)
     if p.exists() and not (overwrite and p.is_file()):
@@ -488,7 +488,7 @@ def capture_to_llama_state(capture: Capture, n_ctx: int, score_rows: int | None 
                            seed: int = LLAMA_DEFAULT_SEED):
     """A ``llama_cpp.LlamaState`` that ``Llama.load_state`` restores (a Llama with context ``n_ctx``;
     ``score_rows``: how many rows its scores hold, n_ctx with logits_all else n_batch)."""
-    from .runtime.statefile import make_llama_state
+    from statelab.runtime.statefile import make_llama_state
 
     n = capture.n_prompt
     if n >= n_ctx:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .analysis import first_difference, trajectory_classes
-from .formation import Schedule
-from .intervene import cross, natural, sham
-from .receiver import DEFAULT_CAP
+from statelab.analysis.classes import first_difference, trajectory_classes
+from statelab.lab.formation import Schedule
+from statelab.lab.intervene import cross, natural, sham
+from statelab.lab.receiver import DEFAULT_CAP
 
 
 @dataclass
@@ -26,7 +26,7 @@ class PromptResult:
 
     def rows(self) -> list[dict]:
         """One summary row per arm pair (first arm as reference)."""
-        from .kvstate import compare
+        from statelab.kvstate import compare
 
         arms = list(self.natural)
         ref = arms[0]
@@ -48,7 +48,7 @@ class PromptResult:
 
 
 def cross_label(result, donor, recipient) -> str:
-    from .analysis import endpoint_class
+    from statelab.analysis.classes import endpoint_class
 
     return endpoint_class(result.tokens, donor.tokens, recipient.tokens)
 
@@ -58,7 +58,7 @@ def study_prompt(model, prompt, arms: dict[str, Schedule], base, cap: int = DEFA
     """Natural endpoints of every arm, own-path shams, and whole-KV crosses both ways
     between the first arm and each other arm (only when the shams pass).  With ``trace``
     the natural continuations keep each output's top-1 margin (the logits are dropped)."""
-    from .frontier import _top_two
+    from statelab.analysis.frontier import _top_two
 
     res = PromptResult(prompt.id, 0)
     for name, sched in arms.items():
@@ -113,8 +113,8 @@ def partition_dataset(results: list[PromptResult], backend: str, cap: int):
     import numpy as np
     import xarray as xr
 
-    from .analysis import kv_profile_dataset
-    from .kvstate import compare
+    from statelab.analysis.classes import kv_profile_dataset
+    from statelab.kvstate import compare
 
     arms = list(results[0].natural)
     n_out = max(len(ep.tokens) for r in results for ep in r.natural.values())

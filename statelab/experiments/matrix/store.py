@@ -3,7 +3,7 @@
     OUT/.lock                       held (flock) by the one process writing the folder
     OUT/spec.json                   the normalised spec and its hash (a different spec is refused;
                                     the hash is checked against the spec on every read)
-    OUT/captures/<prompt>/<arm>/    each arm's capture, formed once (statelab.archive format)
+    OUT/captures/<prompt>/<arm>/    each arm's capture, formed once (statelab.lab.archive format)
     OUT/controls/<prompt>.json      natural endpoints, shams, EMPTY/ALL controls, withheld reason
     OUT/cells.jsonl                 one JSON line per finished cell (written, flushed, fsynced)
     OUT/results.nc                  the compiled xarray Dataset (written atomically)
@@ -15,9 +15,9 @@ import json
 import os
 from pathlib import Path
 
-from ..experiments.folder import RunFolder
-from ..paths import atomic_write_text
-from .spec import FORMAT, StudyError, StudySpec, slug
+from statelab.experiments.folder import RunFolder
+from statelab.paths import atomic_write_text
+from statelab.experiments.matrix.spec import FORMAT, StudyError, StudySpec, slug
 
 
 class StudyDir(RunFolder):
