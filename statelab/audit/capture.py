@@ -21,6 +21,8 @@ import numpy as np
 
 from statelab.errors import ConfigError
 from statelab.lab.formation import REST, Schedule, parse_schedule
+from statelab.runtime import Context, ContextConfig, context_identity, layouts
+from statelab.runtime.ggml_ops import GraphCapture
 from statelab.runtime.layouts import FAMILY_LAYOUTS
 
 VIEW_OPS = {"VIEW", "PERMUTE", "RESHAPE", "TRANSPOSE", "NONE"}
@@ -154,8 +156,6 @@ def context_size(n_tokens: int) -> int:
 
 
 def check_layout(layout: str) -> None:
-    from statelab.runtime import layouts
-
     if layout != "MQ" and not layouts.available():
         raise ConfigError(f"attention layout {layout} needs the layout patch "
                           "(native/patches/0002-attention-layouts.patch), which this build lacks")
@@ -175,9 +175,6 @@ def run_graph(model, tokens, geometry: Geometry, base_config=None, *, want=None,
     capture=False runs without any eval callback (the capture-off control); the run then
     has no nodes and no micro-batch bookkeeping beyond the plan.
     """
-    from statelab.runtime import Context, ContextConfig, context_identity, layouts
-    from statelab.runtime.ggml_ops import GraphCapture
-
     toks = np.asarray(tokens, dtype=np.int32).ravel()
     pre = np.asarray(prefix if prefix is not None else [], dtype=np.int32).ravel()
     if len(toks) == 0:

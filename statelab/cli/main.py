@@ -83,7 +83,8 @@ def doctor(model: Optional[Path] = ModelOpt, backend: str = typer.Option(None, "
         m.add_row(k, str(v))
     console.print(m)
     if model is not None:  # capabilities of a named model (loads it: the QB row asks the runtime)
-        from statelab.models import capabilities, qb_admission
+        from statelab.audit.admission import qb_admission
+        from statelab.models import capabilities
 
         c = Table(title=f"capabilities of {info.name}")
         for col in ("capability", "status", "detail"):

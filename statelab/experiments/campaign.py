@@ -3,6 +3,7 @@ processes, counterbalanced blocks, session-level log contrasts with a percentile
 (paper 4.2, S3.1), and the phase-mask experiment (paper 3.5, S1.2)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import tomllib
@@ -13,16 +14,17 @@ import numpy as np
 
 from statelab import prompts
 from statelab.analysis.classes import bootstrap_ratio_interval, first_difference
-from statelab.speculative.derive import derive_truncated
+from statelab.audit.admission import device_refusal
 from statelab.errors import ConfigError, StatelabError
 from statelab.experiments.executors import Unit, execute
+from statelab.experiments.matrix.store import CellLog, first_ok
 from statelab.models import model_sha256, resolve_model
-from statelab.paths import atomic_write_netcdf, atomic_write_text, exclusive_lock
-from statelab.paths import cache_dir as default_cache
+from statelab.paths import atomic_write_netcdf, atomic_write_text, cache_dir as default_cache, exclusive_lock
 from statelab.runtime import Model, prepare_backend
 from statelab.runtime.layouts import Layout
-from statelab.speculative.transaction import Arm, Runner, SpecConfig, check_draft_paths, check_mask, is_ngram, parse_ngram
-from statelab.experiments.matrix.store import CellLog, first_ok
+from statelab.speculative.derive import derive_truncated
+from statelab.speculative.transaction import (Arm, Runner, SpecConfig, check_draft_paths, check_mask, is_ngram,
+    parse_ngram)
 
 DEFAULT_RATIOS = (("C_PQ", "C_QB"), ("C_GS", "C_QB"), ("C_QB", "M0"), ("R", "C_QB"))
 
@@ -386,7 +388,6 @@ def campaign_hash(spec: CampaignSpec, draft: str | None) -> str:
     """Identity of what a campaign's blocks measured: the spec's block fields, every prompt's id
     and text hash, the target model's sha256 and the resolved drafter (analysis-only fields may
     change between runs of one folder)."""
-    import hashlib
 
 
     fields = {k: v for k, v in asdict(spec).items() if k not in ANALYSIS_FIELDS}
@@ -412,8 +413,6 @@ def refused_arms(spec: CampaignSpec) -> dict[str, str]:
     products, which the scheduler would then run on the CPU): arm -> reason. Empty on the CPU."""
     if not any(Layout(Arm.parse(a).layout).device_must_admit(spec.backend) for a in spec.arms):
         return {}
-    from statelab.audit.admission import device_refusal
-
     with Model(spec.model, backend=spec.backend) as m:
         q = spec.spec_config().queries
         why = {a: device_refusal(m, Arm.parse(a).layout, q) for a in spec.arms}

@@ -13,9 +13,19 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from statelab import prompts as prompts_mod
+from statelab.analysis.frontier import load_results
+from statelab.experiments.frontier_panels import frontier_section as section
+from statelab.experiments.matrix.progress import RichReporter
+from statelab.experiments.matrix.results import load_dataset
+from statelab.experiments.matrix.runner import run_study
+from statelab.experiments.matrix.spec import spec_from_data
+from statelab.experiments.partition import partition_dataset, study_prompt
 from statelab.lab.formation import PRESETS
-from statelab.experiments.partition import study_prompt
-from statelab.paths import atomic_write_text
+from statelab.lab.receiver import check_cap
+from statelab.paths import atomic_write_netcdf, atomic_write_text
+from statelab.report import demo_page
+from statelab.runtime import ContextConfig, Model, prepare_backend
 
 
 def default_tasks(backend: str) -> str:
@@ -53,9 +63,6 @@ def selector_matrix(console, model_path, backend: str, arms: dict, tasks: list[s
     cross reproduced the donor (class B): the inputs the frontier panels look at."""
     import xarray as xr
 
-    from statelab.experiments.matrix.progress import RichReporter
-    from statelab.experiments.matrix.runner import run_study
-    from statelab.experiments.matrix.spec import spec_from_data
 
     workers = 2
     # ggml's threads spin-wait: never give the workers together more threads than there are cores
@@ -96,9 +103,6 @@ def frontier_section(model, base, prompts, cap: int = 48, console=None, directio
     Markdown section: for the inputs where the selector matrix found donor effects.  Runs in
     this process (one repeat per direction, cap ~48) with the arms that differ on the backend;
     the contrasts' Dataset is also saved to ``results_path`` when given."""
-    from statelab import prompts as prompts_mod
-    from statelab.experiments.frontier_panels import frontier_section as section
-
     ps = [prompts_mod.resolve(p) if isinstance(p, str) else p for p in prompts]
     say = (lambda msg: console.print(msg, markup=False, highlight=False)) if console is not None else (lambda msg: None)
     return section(model, base, ps, cap, arms=arms_for(base.backend), directions=directions, say=say,
@@ -108,18 +112,9 @@ def frontier_section(model, base, prompts, cap: int = 48, console=None, directio
 def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: int, out: Path,
         frontier_tasks: list[str] | None = None, frontier_cap: int = 48, matrix: bool = True,
         matrix_tasks: list[str] | None = None, matrix_cap: int = 48):
-    from statelab import prompts
-    from statelab.analysis.frontier import load_results
-    from statelab.experiments.partition import partition_dataset
-    from statelab.lab.receiver import check_cap
-    from statelab.report import demo_page
-    from statelab.paths import atomic_write_netcdf
-    from statelab.experiments.matrix.results import load_dataset
-    from statelab.runtime import ContextConfig, Model, prepare_backend
-
     check_cap(cap)
     prepare_backend(backend)
-    ps = [prompts.resolve(t.strip()) for t in tasks if t.strip()]
+    ps = [prompts_mod.resolve(t.strip()) for t in tasks if t.strip()]
     arms = arms_for(backend)
     model = Model(model_path, backend=backend)
     base = ContextConfig(backend=backend, n_threads=threads)
@@ -173,8 +168,6 @@ def failed_controls(rows: list[dict], out: Path) -> list[str]:
            if r.get("shams_ok") is False]
     results = Path(out) / "selector-matrix" / "results.nc"
     if results.is_file():
-        from statelab.experiments.matrix.results import load_dataset
-
         n = int((load_dataset(results).status.values == "withheld").sum())
         if n:
             bad.append(f"selector matrix: {n} cells withheld after failed controls")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from statelab.analysis.classes import first_difference, trajectory_classes
+from statelab.analysis.classes import endpoint_class, first_difference, kv_profile_dataset, trajectory_classes
+from statelab.analysis.frontier import _top_two
+from statelab.kvstate import compare
 from statelab.lab.formation import Schedule
 from statelab.lab.intervene import cross, natural, sham
 from statelab.lab.receiver import DEFAULT_CAP
@@ -26,8 +28,6 @@ class PromptResult:
 
     def rows(self) -> list[dict]:
         """One summary row per arm pair (first arm as reference)."""
-        from statelab.kvstate import compare
-
         arms = list(self.natural)
         ref = arms[0]
         out = []
@@ -48,8 +48,6 @@ class PromptResult:
 
 
 def cross_label(result, donor, recipient) -> str:
-    from statelab.analysis.classes import endpoint_class
-
     return endpoint_class(result.tokens, donor.tokens, recipient.tokens)
 
 
@@ -58,8 +56,6 @@ def study_prompt(model, prompt, arms: dict[str, Schedule], base, cap: int = DEFA
     """Natural endpoints of every arm, own-path shams, and whole-KV crosses both ways
     between the first arm and each other arm (only when the shams pass).  With ``trace``
     the natural continuations keep each output's top-1 margin (the logits are dropped)."""
-    from statelab.analysis.frontier import _top_two
-
     res = PromptResult(prompt.id, 0)
     for name, sched in arms.items():
         cap_, ep = natural(model, prompt, sched, base, cap, trace=trace)
@@ -113,8 +109,6 @@ def partition_dataset(results: list[PromptResult], backend: str, cap: int):
     import numpy as np
     import xarray as xr
 
-    from statelab.analysis.classes import kv_profile_dataset
-    from statelab.kvstate import compare
 
     arms = list(results[0].natural)
     n_out = max(len(ep.tokens) for r in results for ep in r.natural.values())

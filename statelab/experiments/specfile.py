@@ -13,7 +13,12 @@ import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from statelab.errors import ConfigError
+from statelab import prompts as prompts_mod
+from statelab.errors import ConfigError, ModelError
+from statelab.lab.formation import parse_schedule
+from statelab.models import read_model_info
+from statelab.runtime.native import BACKENDS
+from statelab.selection import SelectorError, default_search_dirs, load_selector
 
 Err = Callable[[str], Exception]
 NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")  # arm (and panel) names
@@ -80,8 +85,6 @@ def common_fields(data: dict, path: Path, err: Err, cap_default: int) -> dict:
 
 
 def backend_field(data: dict, err: Err) -> str:
-    from statelab.runtime.native import BACKENDS
-
     backend = data.get("backend", "cpu")
     if backend not in BACKENDS:
         raise err(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -115,8 +118,6 @@ def str_list(data: dict, key: str, err: Err, *, say_empty: bool = False) -> list
 def resolve_prompts(prompt_specs: Sequence[str], path: Path, err: Err) -> list:
     """:func:`statelab.prompts.resolve` each prompt spec (``file:`` paths relative to the spec
     file when they exist there); a prompt that cannot be resolved fails here."""
-    from statelab import prompts as prompts_mod
-
     prompts = []
     for s in prompt_specs:
         target = s
@@ -131,8 +132,6 @@ def resolve_prompts(prompt_specs: Sequence[str], path: Path, err: Err) -> list:
 
 def parse_arms(data: dict, err: Err) -> dict:
     """The ``[arms]`` table: arm name -> :class:`statelab.lab.formation.Schedule`, at least two."""
-    from statelab.lab.formation import parse_schedule
-
     arms_raw = data["arms"]
     if not isinstance(arms_raw, dict) or len(arms_raw) < 2:
         raise err("'[arms]' must name at least two arms, e.g. A = \"A\" and R = \"R\"")
@@ -151,8 +150,6 @@ def parse_arms(data: dict, err: Err) -> dict:
 
 def selector_search_dirs(path: Path) -> list[str]:
     """The selector path, with a ``selectors`` folder next to the spec file first."""
-    from statelab.selection import default_search_dirs
-
     search = [str(x) for x in default_search_dirs()]
     if (path.parent / "selectors").is_dir() and str(path.parent / "selectors") not in search:
         search.insert(0, str(path.parent / "selectors"))
@@ -162,8 +159,6 @@ def selector_search_dirs(path: Path) -> list[str]:
 def load_spec_selector(name: str, path: Path, search: list[str], err: Err):
     """A selector named in a spec: a name on ``search`` or a ``.toml`` path (relative to the
     spec file when it exists there)."""
-    from statelab.selection import SelectorError, load_selector
-
     target = name
     if (name.endswith(".toml") or "/" in name) and not os.path.isabs(name) and (path.parent / name).is_file():
         target = str(path.parent / name)
@@ -178,10 +173,6 @@ def load_spec_selector(name: str, path: Path, search: list[str], err: Err):
 def check_against_model(spec, err: Err) -> None:
     """Read the header of ``spec.model`` (no weights), record its path, sha256 and layer count
     on ``spec`` and check every selector in ``spec.selectors`` against that layer count."""
-    from statelab.errors import ModelError
-    from statelab.models import read_model_info
-    from statelab.selection import SelectorError
-
     try:
         info = read_model_info(spec.model)
     except (ModelError, ConfigError) as e:

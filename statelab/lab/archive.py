@@ -26,8 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from statelab.errors import IdentityError, StatelabError
+from statelab.kvstate import KVFormatError, KVState, MemoryLayout
 from statelab.lab.formation import Capture, Schedule
 from statelab.paths import REPLACED, clean_stale_temporaries, read_json_record, temp_prefix
+from statelab.runtime.context import KV_TYPES
 
 FORMAT = "statelab.capture/2"  # /2: sealed manifest
 
@@ -168,8 +170,6 @@ def _npy(data: bytes, what: str, src, dtype) -> np.ndarray:
 def load_capture(src: str | os.PathLike) -> Capture:
     """Read a capture and verify it: the manifest's seal, every file's sha256, the KV
     payload's hash and per-component hashes, the capture hashes and the token count."""
-    from statelab.kvstate import KVFormatError, KVState, MemoryLayout
-
     manifest, files = read_verified(Path(src), FORMAT)
     for need in ("tokens.npy", "logits.npy", "kv.bin"):
         if need not in files:
@@ -224,8 +224,6 @@ def check_replaceable_capture(dest: str | os.PathLike) -> None:
 
 def check_importable(cap: Capture, model, config, allow_other_backend: bool = False) -> None:
     """Refuse to import a capture into a context it does not belong to."""
-    from statelab.runtime.context import KV_TYPES
-
     ident = cap.identity
     if ident.get("model_sha256") != model.sha256:
         raise IdentityError(f"capture {cap.prompt_id} was formed with model {str(ident.get('model_sha256'))[:12]}…, "

@@ -21,7 +21,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from statelab.errors import ConfigError
+from statelab.kvstate import KVState, MemoryLayout
 from statelab.limits import check_tokens
+from statelab.runtime import Context, context_identity
 
 REST = -1
 DEFAULT_BATCH = 512
@@ -137,15 +139,11 @@ class Capture:
     @property
     def layout(self):
         """The model's memory layout recorded with the capture (None for older captures: one KV cache)."""
-        from statelab.kvstate import MemoryLayout
-
         rec = self.identity.get("memory")
         return MemoryLayout.from_dict(rec) if isinstance(rec, dict) else None
 
     @property
     def state(self):
-        from statelab.kvstate import KVState
-
         if "_state" not in self.__dict__:
             self.__dict__["_state"] = KVState.parse(self.blob, self.layout)
         return self.__dict__["_state"]
@@ -187,8 +185,6 @@ def form(model, prompt, schedule: Schedule, base_config, keep_context: bool = Fa
     Returns the Capture, or (Capture, Context) with keep_context=True so the caller can
     continue naturally in the forming context.
     """
-    from statelab.runtime import Context, context_identity
-
     tokens = model.tokenize(prompt.text)
     config = context_config_for(schedule, base_config)
     if len(tokens) > config.n_ctx:

@@ -37,8 +37,13 @@ from pathlib import Path
 import numpy as np
 
 from statelab.errors import IdentityError, StatelabError
-from statelab.lab.formation import REST, Capture, Schedule
-from statelab.kvstate import SEQ_STATE_MAGIC, KVFormatError, KVState
+from statelab.kvstate import KVFormatError, KVState, SEQ_STATE_MAGIC
+from statelab.lab.formation import Capture, REST, Schedule
+from statelab.models import read_model_info
+from statelab.paths import atomic_write_bytes
+from statelab.runtime import Context, context_identity
+from statelab.runtime.context import KV_TYPES
+from statelab.runtime.statefile import make_llama_state
 
 SEQ_FILE_MAGIC = 0x67677371  # 'ggsq' LLAMA_STATE_SEQ_MAGIC
 SEQ_FILE_VERSION = 3  # LLAMA_STATE_SEQ_VERSION
@@ -250,8 +255,6 @@ def sequence_zero_state(memory: bytes, source: str) -> KVState:
 
 
 def _kv_type_name(t: int) -> str:
-    from statelab.runtime.context import KV_TYPES
-
     names = {v: k for k, v in KV_TYPES.items()}
     if t not in names:
         raise InteropError(f"KV type {t} has no context setting here (supported: {', '.join(KV_TYPES)})")
@@ -357,8 +360,6 @@ def _recipient_config(st: KVState, config, n: int, source: str):
 def restore_in_recipient(model, config, blob: bytes, tokens: np.ndarray, source: str, recompute: bool):
     """The real library takes the state and reads it back byte for byte; with ``recompute`` the
     last token's logits are re-evaluated there (:func:`recompute_last_logits`)."""
-    from statelab.runtime import Context
-
     n = len(tokens)
     with Context(model, config) as ctx:
         ctx.state_set(blob)
@@ -380,8 +381,6 @@ _UNKNOWN = ["backend", "device", "build", "schedule (prompt submissions and ubat
 
 def imported_identity(inc: Incoming, model, config, prompt, logits: str, source_backend: str | None) -> dict:
     """Identities of an imported capture: what the file says, what was checked, the rest unknown."""
-    from statelab.runtime import context_identity
-
     recipient = context_identity(model, config)
     checked = "tokens within the vocabulary, KV geometry" + (", architecture" if inc.arch else "") + \
         (", prompt tokenization" if prompt is not None else "") + "; the file records no model hash"
@@ -433,8 +432,6 @@ def import_state_file(path, model, config, **kw) -> Capture:
 
 def model_arch(capture: Capture, model_path=None) -> str:
     """The architecture of the capture's model (read from its GGUF header; the hash must match)."""
-    from statelab.models import read_model_info
-
     path = model_path or capture.identity.get("model_path")
     if not path:
         raise InteropError("the capture does not name its model file: give the model")
@@ -447,8 +444,6 @@ def model_arch(capture: Capture, model_path=None) -> str:
 def export_state_file(capture: Capture, path, kind: str = "seq", model_path=None, overwrite: bool = False,
                       n_stream: int = 1) -> Path:
     """``statelab export-state``: write a capture as a llama.cpp state file (atomically)."""
-    from statelab.paths import atomic_write_bytes
-
     p = Path(path)
     if p.exists() and not (overwrite and p.is_file()):
         raise InteropError(f"output already exists: {p}" + ("" if p.is_file() else " (not a file)"))
@@ -488,8 +483,6 @@ def capture_to_llama_state(capture: Capture, n_ctx: int, score_rows: int | None 
                            seed: int = LLAMA_DEFAULT_SEED):
     """A ``llama_cpp.LlamaState`` that ``Llama.load_state`` restores (a Llama with context ``n_ctx``;
     ``score_rows``: how many rows its scores hold, n_ctx with logits_all else n_batch)."""
-    from statelab.runtime.statefile import make_llama_state
-
     n = capture.n_prompt
     if n >= n_ctx:
         raise InteropError(f"the capture has {n} tokens; a Llama with n_ctx={n_ctx} cannot continue from it")

@@ -6,14 +6,16 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from statelab.errors import DecodeError, IdentityError
+from statelab.kvstate import compare
+from statelab.lab.archive import check_importable
 from statelab.lab.formation import Capture, form
 from statelab.lab.receiver import DEFAULT_CAP, Endpoint, check_cap, continue_greedy
+from statelab.runtime import Context, ContextConfig
+from statelab.selection import apply_subset
 
 
 def config_of(capture: Capture):
     """The recipient path's context configuration, as recorded in the capture."""
-    from statelab.runtime import ContextConfig
-
     c = capture.identity["context"]
     return ContextConfig(**{f.name: c[f.name] for f in fields(ContextConfig) if f.name in c})
 
@@ -48,8 +50,6 @@ def import_and_continue(model, config, blob: bytes, logits0: np.ndarray, n_promp
                         trace: bool = False) -> Endpoint:
     """The common receiver with read-back verification: the imported state must read back
     byte for byte before any token is decoded."""
-    from statelab.runtime import Context
-
     if not np.all(np.isfinite(logits0)):
         raise DecodeError("the capture has no initial logits (a state imported without them): import it again "
                           "with --logits recompute")
@@ -66,8 +66,6 @@ def import_and_continue(model, config, blob: bytes, logits0: np.ndarray, n_promp
 
 def sham(model, capture: Capture, cap: int = DEFAULT_CAP, trace: bool = False) -> Endpoint:
     """A capture restored into its own path; must reproduce the natural endpoint."""
-    from statelab.lab.archive import check_importable
-
     config = config_of(capture)
     check_importable(capture, model, config)
     return import_and_continue(model, config, capture.blob, capture.logits, capture.n_prompt, check_cap(cap), trace)
@@ -83,8 +81,6 @@ def _same_prompt(a: Capture, b: Capture) -> None:
 
 
 def account(recipient_state, new_state, selected_bytes: int, verified: bool) -> ImportAccount:
-    from statelab.kvstate import compare
-
     d = compare(recipient_state, new_state, reference=recipient_state)
     return ImportAccount(selected_bytes, int(d.changed_bytes), int(recipient_state.value_nbytes),
                          float(d.max_abs), float(d.l2), float(d.l2_rel), d.first_differing_layer, verified)
@@ -93,8 +89,6 @@ def account(recipient_state, new_state, selected_bytes: int, verified: bool) -> 
 def cross(model, donor: Capture, recipient: Capture, logits_from: str = "recipient", cap: int = DEFAULT_CAP,
           trace: bool = False, allow_other_backend: bool = False):
     """Whole-KV cross: the donor's KV in the recipient's path; logits from `logits_from`."""
-    from statelab.lab.archive import check_importable
-
     if logits_from not in ("recipient", "donor"):
         raise IdentityError(f"logits_from must be 'recipient' or 'donor', got {logits_from!r}")
     _same_prompt(donor, recipient)
@@ -109,9 +103,6 @@ def cross(model, donor: Capture, recipient: Capture, logits_from: str = "recipie
 def subset_cross(model, donor: Capture, recipient: Capture, selection, cap: int = DEFAULT_CAP,
                  trace: bool = False, allow_other_backend: bool = False):
     """Only the selected bytes come from the donor; the recipient keeps its initial logits."""
-    from statelab.lab.archive import check_importable
-    from statelab.selection import apply_subset
-
     _same_prompt(donor, recipient)
     config = config_of(recipient)
     check_importable(donor, model, config, allow_other_backend)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from statelab.errors import StatelabError
+from statelab.runtime.native import lib
 
 ABI_VERSION = 1
 LAYOUTS = {"MQ": 0, "PQ": 1, "QB": 2}
@@ -146,7 +147,6 @@ class Admission:
 
 
 def _lib():
-    from statelab.runtime.native import lib
     return lib()
 
 

@@ -36,11 +36,14 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from statelab.analysis.classes import first_difference
 from statelab.errors import ConfigError, DecodeError, IdentityError
-from statelab.limits import check_threads, check_tokens
 from statelab.lab.receiver import Endpoint, check_cap
-from statelab.runtime import layouts
+from statelab.limits import check_threads, check_tokens
+from statelab.models import resolve_model
+from statelab.runtime import Context, ContextConfig, layouts
 from statelab.runtime.layouts import Layout
+from statelab.speculative.derive import same_vocabulary
 
 # the layouts an arm may name (runtime.layouts.Layout holds their properties)
 SPEC_LAYOUTS = (Layout.MQ, Layout.PQ, Layout.QB, Layout.GS, Layout.PQ_W, Layout.QB_W)
@@ -543,9 +546,6 @@ class SpecConfig:
 
 
 def check_draft_paths(target_path, draft_path) -> None:
-    from statelab.speculative.derive import same_vocabulary
-    from statelab.models import resolve_model
-
     ok, why = same_vocabulary(resolve_model(target_path), resolve_model(draft_path))
     if not ok:
         raise IdentityError(f"the draft model does not share the target's vocabulary: {why}")
@@ -570,8 +570,6 @@ class Runner:
             check_draft(target_model, draft_model)
 
     def contexts(self, arm: Arm):
-        from statelab.runtime import Context, ContextConfig
-
         c = self.cfg
         if Layout(arm.layout).needs_patch:
             if not layouts.available():
@@ -622,8 +620,6 @@ class Runner:
 
 def qualify(results: list[ArmResult]) -> list[ArmResult]:
     """Mark each arm qualified when its complete endpoint equals R's on the same prompt."""
-    from statelab.analysis.classes import first_difference
-
     refs = {r.prompt_key: r for r in results if r.arm == "R"}
     for r in results:
         ref = refs.get(r.prompt_key)

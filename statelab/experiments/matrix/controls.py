@@ -13,6 +13,9 @@ from __future__ import annotations
 import time
 
 from statelab.analysis.classes import endpoint_class, first_difference
+from statelab.kvstate import compare
+from statelab.lab.archive import load_capture, save_capture
+from statelab.lab.intervene import cross, natural, sham, subset_cross
 from statelab.lab.receiver import Endpoint
 from statelab.selection import Selector, Term, apply_subset, select
 
@@ -27,10 +30,6 @@ def _fd(a: Endpoint, b: Endpoint) -> int | None:
 
 
 def run_controls(model, spec, prompt, sdir, base) -> dict:
-    from statelab.lab.archive import load_capture, save_capture
-    from statelab.lab.intervene import cross, natural, sham, subset_cross
-    from statelab.kvstate import compare
-
     t0 = time.perf_counter()
     rec = {"prompt": prompt.id, "prompt_sha256": prompt.sha256, "spec_hash": spec.hash, "arms": {},
            "directions": {}, "reasons": []}

@@ -24,6 +24,9 @@ from statelab.experiments.naming import Direction
 from statelab.paths import atomic_write_netcdf, atomic_write_text
 from statelab.experiments.matrix.spec import StudyError, cell_key
 from statelab.experiments.matrix.store import CellLog, StudyDir, first_ok
+from statelab.lab.archive import load_capture
+from statelab.selection import load_selector, select
+from statelab.experiments.matrix.controls import ALL, EMPTY
 
 INT_VARS = ("first_diff_recipient", "first_diff_donor", "selected_bytes", "changed_bytes", "length")
 FLOAT_VARS = ("share", "max_abs", "l2", "l2_rel")
@@ -175,10 +178,6 @@ def bytes_section(ds: xr.Dataset) -> str:
 def _lattice_masks(sdir: StudyDir, spec: dict, task: str, controls: dict) -> dict:
     """Flat byte masks of the spec's selectors (and the EMPTY/ALL controls) on the
     recipient's real state of ``task``."""
-    from statelab.lab.archive import load_capture
-    from statelab.selection import load_selector, select
-    from statelab.experiments.matrix.controls import ALL, EMPTY
-
     norm = spec["normalized"]
     recip = Direction.parse(norm["directions"][0]).recipient
     state = load_capture(sdir.capture_dir(task, recip)).state

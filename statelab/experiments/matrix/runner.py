@@ -8,11 +8,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from statelab import prompts as prompts_mod
+from statelab.analysis.classes import endpoint_class, minimal_sufficient_selection
 from statelab.experiments.executors import check_executor, execute, probe_executor
 from statelab.experiments.matrix.cells import CELL, plan
 from statelab.experiments.matrix.controls import run_controls
+from statelab.experiments.matrix.results import compile_study
 from statelab.experiments.matrix.spec import StudyError, StudySpec, check_prompts_fit, load_spec
 from statelab.experiments.matrix.store import CellLog, StudyDir
+from statelab.lab.archive import ArchiveError, load_capture
+from statelab.lab.intervene import natural, subset_cross
+from statelab.lab.receiver import Endpoint
+from statelab.runtime import ContextConfig, Model, prepare_backend
+from statelab.selection import Selector, Term, select
 
 
 class Reporter:
@@ -57,8 +65,6 @@ def _controls_current(sdir: StudyDir, spec: StudySpec, prompt) -> dict | None:
     ctl = sdir.read_controls(prompt.id)
     if ctl is None or ctl.get("spec_hash") != spec.hash:
         return None
-    from statelab.lab.archive import ArchiveError, load_capture
-
     try:  # every arm's capture verifies (a damaged or older-format capture is formed again)
         for a in spec.arms:
             load_capture(sdir.capture_dir(prompt.id, a))
@@ -82,9 +88,6 @@ def run_study(spec_path, out=None, executor: str = "local", workers: int = 2, re
 
 def _run_locked(spec: StudySpec, sdir: StudyDir, executor: str, workers: int, rep: Reporter,
                 t0: float, on_compiled=None) -> RunSummary:
-    from statelab.runtime import ContextConfig, Model, prepare_backend
-    from statelab.experiments.matrix.results import compile_study
-
     sdir.check(spec.hash)
     probe_executor(executor, StudyError)
 
@@ -148,14 +151,6 @@ def minimal_selection(spec_path, prompt: str, direction: str, out=None, refine: 
     and direction with :func:`statelab.analysis.classes.minimal_sufficient_selection`, evaluating
     each candidate by a real subset cross (in this process, model loaded once).  Reuses
     the study's archived captures when ``out`` holds them; otherwise forms them."""
-    from statelab import prompts as prompts_mod
-    from statelab.analysis.classes import endpoint_class, minimal_sufficient_selection
-    from statelab.lab.archive import load_capture
-    from statelab.lab.intervene import natural, subset_cross
-    from statelab.lab.receiver import Endpoint
-    from statelab.runtime import ContextConfig, Model, prepare_backend
-    from statelab.selection import Selector, Term, select
-
     spec = load_spec(spec_path)
     p = next((q for q in spec.prompts if q.id == prompts_mod.resolve(prompt).id), None) if prompt else None
     if p is None:

@@ -28,11 +28,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from statelab.experiments import specfile as sf
 from statelab.errors import ConfigError
+from statelab.experiments import specfile as sf
 from statelab.experiments.folder import normalized_hash
 from statelab.experiments.naming import Direction, parse_directions, slug
-from statelab.experiments.specfile import check_prompt_fits, spec_error
+from statelab.experiments.specfile import check_against_model as check, check_prompt_fits, spec_error
 
 FORMAT = "statelab.experiments.matrix/1"
 _TOP_KEYS = ("name", "description", "model", "backend", "threads", "n_ctx", "cap", "repeats", "prompts",
@@ -186,8 +186,6 @@ def spec_from_data(data: dict, path: str | os.PathLike, check_model: bool = True
 def check_against_model(spec: StudySpec) -> None:
     """Resolve the model file, read its header (identity, layer count) and check every
     selector's layer indices against it."""
-    from statelab.experiments.specfile import check_against_model as check
-
     check(spec, lambda msg: _err(spec.path, msg))
 
 
