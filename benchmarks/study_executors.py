@@ -27,6 +27,7 @@ import re
 import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -49,6 +50,14 @@ def _records(out: Path) -> dict:
 
 def _fresh_copy(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("cells.jsonl", "results.nc", "report.md", "runs.jsonl"))
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def update_section(doc: Path, body: str) -> None:
@@ -184,7 +193,7 @@ def main(argv=None) -> int:
             else "FAILED: " + "; ".join(failures))
     body = f"""\
 Command: `python benchmarks/study_executors.py --spec {os.path.relpath(args.spec, REPO)} --workers {args.workers} --rounds {args.rounds}`
-({dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; {platform.machine()}, {os.cpu_count()} CPUs shared
+({dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, commit {_commit()}; {platform.machine()}, {os.cpu_count()} CPUs shared
 with other work, load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; spec hash {spec.hash[:12]}).
 
 Study `{spec.name}`: {len(spec.prompts)} prompts x {len(spec.selectors)} selectors x {len(spec.directions)} directions x {spec.repeats} repeats = {n_cells} cells, output cap {spec.cap}, {spec.threads} thread(s) per cell.
