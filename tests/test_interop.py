@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from statelab.lab.interop import (SEQ_FILE_MAGIC, WHOLE_FILE_MAGIC, InteropError, encode_state_file, parse_state_file,
-                              sequence_zero_state, split_whole_stream, whole_stream)
+                                  sequence_zero_state, split_whole_stream, whole_stream)
 from statelab.kvstate import KVState, build_blob, make_state
 
 from conftest import one_line_error

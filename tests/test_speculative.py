@@ -5,7 +5,7 @@ import pytest
 from statelab.experiments.campaign import CampaignSpec, mask_lattice, prompt_key, qualify_records, report_markdown, run_campaign
 from statelab.errors import ConfigError, IdentityError
 from statelab.speculative.transaction import (AdaptiveK, Arm, NgramDrafter, PhaseGuard, Runner, SpecConfig, parse_ngram,
-                                  qualify)
+                                              qualify)
 
 CAP = 24
 

@@ -20,7 +20,7 @@ import xarray as xr
 
 from conftest import one_line_error, run_cli
 from statelab.experiments.matrix import (DETERMINISTIC, CellLog, StudyDir, StudyError, compile_dataset, compile_study,
-                            load_dataset, load_spec, run_study)
+                                         load_dataset, load_spec, run_study)
 from statelab.experiments.matrix.cells import plan, run_cell
 from statelab.experiments.executors import check_executor
 

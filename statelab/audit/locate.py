@@ -31,7 +31,7 @@ import numpy as np
 
 from statelab.errors import ConfigError
 from statelab.audit.capture import (OUTPUT_NAMES, Geometry, GraphRun, check_layer, is_kv_cache_node, layer_filter,
-                      parse_geometry, parse_layers, parse_node_name, run_graph)
+                                    parse_geometry, parse_layers, parse_node_name, run_graph)
 from statelab.audit.oracles import ulp_distance
 
 _KV_AXIS = re.compile(r"^kq(_soft_max)?(_pq\d+)?$")

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from statelab.errors import StatelabError
-from statelab.limits import MAX_THREADS
+from statelab.limits import MAX_THREADS, int_list
 from statelab.paths import atomic_write_netcdf, atomic_write_text
 from statelab.runtime.layouts import ATTENTION_LAYOUTS
 
@@ -487,24 +487,14 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
              cap: int = CapOpt, model: Optional[Path] = ModelOpt, draft: str = DraftOpt, backend: str = BackendOpt,
              threads: int = ThreadsOpt, json_out: Optional[Path] = typer.Option(None, "--json")):
     """Run arms on one prompt in this process; qualify each against R; time qualified arms."""
-    from statelab.audit.admission import device_refusal
-    from statelab.experiments.campaign import load_runner, resolve_draft
-    from statelab.speculative.transaction import Arm, SpecConfig, qualify
+    from statelab.experiments.campaign import run_arms
+    from statelab.speculative.transaction import SpecConfig
 
     names = [a.strip() for a in arms.split(",") if a.strip()]
-    need_draft = any([Arm.parse(a).draft for a in names])  # a list: every name is checked
     cfg = SpecConfig(k=k, ubatch=ubatch, mask=mask, cap=cap, backend=backend, threads=threads, k_max=k_max,
                      fixed_rows=fixed_rows)
     p = _prompt(prompt, humaneval, prompt_file)
-    runner = load_runner(model, resolve_draft(model, draft) if need_draft else None, cfg)
-    if "R" not in names:
-        names = ["R"] + names
-    for a in list(names):
-        why = device_refusal(runner.tm, Arm.parse(a).layout, cfg.queries)
-        if why:
-            err.print(f"{a}: {why}; not run")
-            names.remove(a)
-    results = qualify([runner.run(a, p, warmup=True) for a in names])
+    results, need_draft = run_arms(model, draft, p, names, cfg, refused=lambda a, why: err.print(f"{a}: {why}; not run"))
     t = Table(title=f"{p.id} (sha256 {p.sha256[:12]}): k={k}{f'..{k_max}' if k_max else ''}, ubatch "
                     f"{cfg.target_ubatch}, mask {mask}, cap {cap}, {backend}, draft {draft if need_draft else '-'}")
     for col in ("arm", "qualified", "first diff", "seconds", "accepted/proposals", "tokens/call", "target callers",
@@ -559,16 +549,9 @@ def spec_masks(tasks: str = typer.Option("HumanEval/0,HumanEval/2,HumanEval/4,Hu
     from rich.progress import Progress
 
     from statelab.experiments.campaign import mask_markdown, phase_mask_experiment, resolve_draft
-    from statelab.errors import ConfigError
+    from statelab.speculative.transaction import parse_masks
 
-    if "-" in masks:
-        try:
-            lo, hi = (int(x) for x in masks.split("-"))
-        except ValueError:
-            raise ConfigError(f"--masks must be a range like 0-15 or a comma list, got {masks!r}") from None
-        ms = list(range(lo, hi + 1))
-    else:
-        ms = _int_list(masks, "--masks")
+    ms = parse_masks(masks)
     ps = [x.strip() for x in tasks.split(",") if x.strip()]
     n = len(ps) * (1 + len(ms) * repeats)
     with Progress(console=console, transient=True) as prog:
@@ -658,18 +641,6 @@ def _audit_prompt_tokens(m, prompt, humaneval, prompt_file, default_task: str = 
     return p, m.tokenize(p.text)
 
 
-def _int_list(text: str, what: str) -> list[int]:
-    from statelab.errors import ConfigError
-
-    try:
-        vals = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"{what} must be a comma list of integers, got {text!r}") from None
-    if not vals:
-        raise ConfigError(f"{what}: empty list")
-    return vals
-
-
 @audit_app.command("layouts")
 def audit_layouts(quick: bool = typer.Option(False, "--quick", help="a small fixture subset"),
                   out: Optional[Path] = AuditOutOpt):
@@ -697,7 +668,7 @@ def audit_backends(model: Optional[Path] = ModelOpt, backend: str = BackendOpt,
     m, base = _setup(model, backend)
     if n_kv < 1:
         raise ConfigError(f"--n-kv must be >= 1, got {n_kv}")
-    ds = run_admission(AttnShape.of_model(m, n_kv), _int_list(qs, "--q"), model=m, backend_config=base)
+    ds = run_admission(AttnShape.of_model(m, n_kv), int_list(qs, "--q"), model=m, backend_config=base)
     md = admission_markdown(ds)
     console.print(md, markup=False, highlight=False, soft_wrap=True)
     _audit_write(out, md, ds)
@@ -744,7 +715,7 @@ def audit_e1(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
     p, toks = _audit_prompt_tokens(m, prompt, humaneval, prompt_file)
     lay = parse_layers(layers, m.n_layer) or list(range(m.n_layer))
     ds, detail = run_e1(m, toks, layers=lay, phases=tuple(x.strip() for x in phases.split(",") if x.strip()),
-                        qs=_int_list(qs, "--q"), layouts=tuple(x.strip().upper() for x in layouts_.split(",")),
+                        qs=int_list(qs, "--q"), layouts=tuple(x.strip().upper() for x in layouts_.split(",")),
                         base_config=base, progress=lambda s: err.print(f"[dim]{s}[/dim]"))
     ds.attrs["prompt"] = p.id
     md = f"Prompt: {p.id} ({len(toks)} tokens)\n\n" + e1_markdown(ds)

@@ -24,7 +24,7 @@ from statelab.runtime import Model, prepare_backend
 from statelab.runtime.layouts import Layout
 from statelab.speculative.derive import derive_truncated
 from statelab.speculative.transaction import (Arm, Runner, SpecConfig, check_draft_paths, check_mask, is_ngram,
-    parse_ngram)
+                                              parse_ngram, qualify)
 
 DEFAULT_RATIOS = (("C_PQ", "C_QB"), ("C_GS", "C_QB"), ("C_QB", "M0"), ("R", "C_QB"))
 
@@ -153,6 +153,24 @@ def load_runner(model_path, draft, cfg: SpecConfig):
         check_draft_paths(tm.path, draft)  # before loading: a foreign vocabulary is refused by its header
         dm = Model(draft, backend=cfg.backend)
     return Runner(tm, dm, cfg, vocab_checked=True)
+
+
+def run_arms(model_path, draft, prompt, names: list[str], cfg: SpecConfig, refused=lambda arm, why: None):
+    """Arms on one prompt in this process (``spec run``), R first (every arm is qualified
+    against it, so R runs even when not named); an arm the device would not run
+    (:func:`~statelab.audit.admission.device_refusal`) is reported to ``refused(arm, why)``
+    and left out.  Returns (qualified results, whether a drafter was needed)."""
+    need_draft = any([Arm.parse(a).draft for a in names])  # a list: every name is checked
+    runner = load_runner(model_path, resolve_draft(model_path, draft) if need_draft else None, cfg)
+    names = (["R"] if "R" not in names else []) + list(names)
+    kept = []
+    for a in names:
+        why = device_refusal(runner.tm, Arm.parse(a).layout, cfg.queries)
+        if why:
+            refused(a, why)
+        else:
+            kept.append(a)
+    return qualify([runner.run(a, prompt, warmup=True) for a in kept]), need_draft
 
 
 def _worker(job: dict) -> list[dict]:

@@ -39,7 +39,7 @@ import numpy as np
 from statelab.analysis.classes import first_difference
 from statelab.errors import ConfigError, DecodeError, IdentityError
 from statelab.lab.receiver import Endpoint, check_cap
-from statelab.limits import check_threads, check_tokens
+from statelab.limits import check_threads, check_tokens, int_list
 from statelab.models import resolve_model
 from statelab.runtime import Context, ContextConfig, layouts
 from statelab.runtime.layouts import Layout
@@ -58,6 +58,20 @@ def check_mask(mask: int) -> int:
     if not isinstance(mask, (int, np.integer)) or not 0 <= int(mask) <= 15:
         raise ConfigError(f"phase mask must be an integer in 0..15, got {mask!r}")
     return int(mask)
+
+
+def parse_masks(text: str) -> list[int]:
+    """``"0-15"`` (a range) or ``"1,3,7"`` -> the phase masks, each checked."""
+    text = str(text)
+    if "-" in text:
+        try:
+            lo, hi = (int(x) for x in text.split("-"))
+        except ValueError:
+            raise ConfigError(f"--masks must be a range like 0-15 or a comma list, got {text!r}") from None
+        masks = list(range(lo, hi + 1))
+    else:
+        masks = int_list(text, "--masks")
+    return [check_mask(m) for m in masks]
 
 
 def check_layout(name: str) -> str:

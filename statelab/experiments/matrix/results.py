@@ -19,7 +19,7 @@ import numpy as np
 import xarray as xr
 
 from statelab.analysis.classes import (class_matrix_markdown, magnitude_separability, non_monotone_pairs,
-                        repeat_agreement, selector_lattice)
+                                       repeat_agreement, selector_lattice)
 from statelab.experiments.naming import Direction
 from statelab.paths import atomic_write_netcdf, atomic_write_text
 from statelab.experiments.matrix.spec import StudyError, cell_key
