@@ -73,7 +73,7 @@ from statelab.paths import atomic_write_text, read_json_record
 from statelab.lab.receiver import Endpoint
 from statelab.runtime import ContextConfig, Model, prepare_backend
 from statelab.selection import Selection, apply_subset, load_selector, select
-from statelab.experiments.specfile import check_prompt_fits, spec_error
+from statelab.experiments.specfile import SpecCommon, check_prompt_fits, spec_error
 
 SPEC_FORMAT = "statelab.analysis.frontier-spec/1"
 TRACE_FORMAT = "statelab.analysis.frontier-trace/1"
@@ -97,20 +97,7 @@ def _sha(data: bytes) -> str:
 
 
 @dataclass
-class FrontierSpec:
-    path: Path
-    name: str
-    description: str
-    model: str | None
-    backend: str
-    threads: int
-    n_ctx: int
-    cap: int
-    repeats: int
-    prompt_specs: tuple[str, ...]
-    prompts: list
-    arms: dict  # name -> Schedule
-    directions: tuple[Direction, ...]
+class FrontierSpec(SpecCommon):
     panels: dict  # name -> (component1, component2) selector names
     selectors: dict  # component name -> Selector
     before_frontier: int = 0
@@ -120,10 +107,6 @@ class FrontierSpec:
     model_sha256: str = ""
     n_layer: int = 0
     selector_dirs: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def direction_labels(self) -> list[str]:
-        return [d.label for d in self.directions]
 
     def normalized(self) -> dict:
         return {

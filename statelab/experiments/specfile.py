@@ -11,10 +11,12 @@ import os
 import re
 import tomllib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from statelab import prompts as prompts_mod
 from statelab.errors import ConfigError, ModelError
+from statelab.experiments.naming import Direction
 from statelab.lab.formation import parse_schedule
 from statelab.models import read_model_info
 from statelab.runtime.native import BACKENDS
@@ -22,6 +24,29 @@ from statelab.selection import SelectorError, default_search_dirs, load_selector
 
 Err = Callable[[str], Exception]
 NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")  # arm (and panel) names
+
+
+@dataclass
+class SpecCommon:
+    """What every experiment spec holds once read (:func:`common_fields` and the loaders):
+    the kinds' spec classes add their own fields after these."""
+    path: Path
+    name: str
+    description: str
+    model: str | None
+    backend: str
+    threads: int
+    n_ctx: int
+    cap: int
+    repeats: int
+    prompt_specs: tuple[str, ...]
+    prompts: list  # statelab.prompts.Prompt
+    arms: dict  # name -> Schedule
+    directions: tuple[Direction, ...]
+
+    @property
+    def direction_labels(self) -> list[str]:
+        return [d.label for d in self.directions]
 
 
 def spec_error(error: type[Exception], kind: str, path, msg: str) -> Exception:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import statistics
-from pathlib import Path
 
 import numpy as np
 import xarray as xr

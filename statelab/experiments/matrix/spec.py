@@ -32,7 +32,7 @@ from statelab.errors import ConfigError
 from statelab.experiments import specfile as sf
 from statelab.experiments.folder import normalized_hash
 from statelab.experiments.naming import Direction, parse_directions, slug
-from statelab.experiments.specfile import check_against_model as check, check_prompt_fits, spec_error
+from statelab.experiments.specfile import SpecCommon, check_against_model as check, check_prompt_fits, spec_error
 
 FORMAT = "statelab.experiments.matrix/1"
 _TOP_KEYS = ("name", "description", "model", "backend", "threads", "n_ctx", "cap", "repeats", "prompts",
@@ -46,24 +46,11 @@ class StudyError(ConfigError):
 
 
 @dataclass
-class StudySpec:
+class StudySpec(SpecCommon):
     """A parsed, validated study.  ``normalized`` (and its ``hash``) identify the results:
     everything that can change a cell's outcome, nothing that cannot (paths, worker counts)."""
 
-    path: Path
-    name: str
-    description: str
-    model: str | None
-    backend: str
-    threads: int
-    n_ctx: int
-    cap: int
-    repeats: int
-    prompt_specs: tuple[str, ...]
-    prompts: list  # statelab.prompts.Prompt
-    arms: dict  # name -> Schedule
     selectors: dict  # name -> statelab.selection.Selector (order kept)
-    directions: tuple[Direction, ...]
     selector_dirs: tuple[str, ...]
     model_path: str = ""
     model_sha256: str = ""
@@ -78,10 +65,6 @@ class StudySpec:
     @property
     def selector_names(self) -> list[str]:
         return list(self.selectors)
-
-    @property
-    def direction_labels(self) -> list[str]:
-        return [d.label for d in self.directions]
 
     def normalized(self) -> dict:
         return {
