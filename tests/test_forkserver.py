@@ -50,3 +50,16 @@ def test_closed_server_refuses_and_bad_preload_is_one_error():
     assert res is None and "not running" in info.error
     with pytest.raises(ForkServerError, match="did not start"):
         ForkServer(preload=["statelab_no_such_module"]).start()
+
+
+def test_default_server_preloads_every_kind_without_a_backend():
+    """The children of the default server find statelab's unit modules, numpy, xarray and
+    llama_cpp imported, and no llama.cpp backend initialised (CUDA/Vulkan must start in
+    the child)."""
+    from statelab.experiments.kinds import unit_modules
+
+    want = ["numpy", "xarray", "llama_cpp", *unit_modules()]
+    with ForkServer() as s:
+        res, info = s.run("statelab.experiments.forkserver:child_state", {"modules": want})
+    assert info.error is None, info.error
+    assert res == {"imported": want, "backend_initialised": False}

@@ -438,7 +438,6 @@ def refused_arms(spec: CampaignSpec) -> dict[str, str]:
 
 
 def _run_campaign_locked(spec: CampaignSpec, out: Path, progress, budget_s: float | None) -> dict:
-
     refused = refused_arms(spec)
     if refused:
         raise ConfigError("; ".join(f"{a}: {w}" for a, w in refused.items()) + ": drop these arms from the campaign")
@@ -458,6 +457,12 @@ def _run_campaign_locked(spec: CampaignSpec, out: Path, progress, budget_s: floa
     done = first_ok(log.records(), h)
     if len(done) < len(jobs):
         return {"complete": False, "blocks_done": len(done), "blocks": len(jobs)}
+    return compile_campaign(spec, out, jobs, done)
+
+
+def compile_campaign(spec: CampaignSpec, out: Path, jobs: list[dict], done: dict[str, dict]) -> dict:
+    """Every block's records -> qualification, contrasts, results.nc, records.json,
+    contrasts.json and report.md."""
     records = qualify_records([r for j in jobs for r in done[f"block-{j['block']}"]["records"]])
     rows = contrasts(records, spec.ratios, spec.threshold, spec.seed, spec.resamples)
     ds = to_dataset(records)

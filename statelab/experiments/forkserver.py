@@ -49,9 +49,10 @@ from dataclasses import dataclass, field
 from statelab.errors import StatelabError
 
 READY = "STATELAB_FORKSERVER_READY"
-# what every experiment worker needs; imported once in the server (llama_cpp through
-# statelab.runtime.native.preload: the libraries load, no backend is initialised)
-DEFAULT_PRELOAD = ("numpy", "xarray", "statelab.experiments.matrix.cells", "statelab.experiments.frontier_panels", "statelab.experiments.campaign")
+# what every experiment unit needs, imported once in the server: the unit modules of every
+# kind (statelab.experiments.kinds) and through them numpy, xarray and statelab; llama_cpp
+# through statelab.runtime.native.preload (the libraries load, no backend is initialised)
+DEFAULT_PRELOAD = ("numpy", "xarray", "statelab.experiments.kinds")
 _HEAD = struct.Struct(">I")
 _MAX_FRAME = 1 << 30
 
@@ -93,6 +94,15 @@ def resolve(ref: str):
     """``module:function`` -> the function."""
     mod, _, name = ref.partition(":")
     return getattr(importlib.import_module(mod), name)
+
+
+def child_state(task: dict) -> dict:
+    """What a forked child finds when it starts (a unit function for checks): which of
+    ``task["modules"]`` are imported already, and whether llama.cpp's backend is initialised."""
+    from statelab.runtime.native import llama
+
+    return {"imported": [m for m in task.get("modules", []) if m in sys.modules],
+            "backend_initialised": llama.cache_info().currsize > 0}
 
 
 # ----------------------------------------------------------------------------- server
@@ -144,7 +154,10 @@ def serve(sock_path: str, preload: list[str]) -> int:  # pragma: no cover - runs
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for m in preload:
         importlib.import_module(m)
-    from statelab.runtime.native import preload as preload_native
+        if m == "statelab.experiments.kinds":
+            for unit_module in sys.modules[m].unit_modules():
+                importlib.import_module(unit_module)
+    from statelab.runtime.native import preload as preload_native  # after the requested modules
 
     preload_native()
     gc.collect()

@@ -453,6 +453,19 @@ def _captures(spec: FrontierSpec, out: Path, say) -> None:
         model.close()
 
 
+def plan_units(spec: FrontierSpec, out: Path) -> list[dict]:
+    """One task per (prompt, direction, repeat), in spec order."""
+    rec = spec.record()
+    return [_unit_task(rec, out, t, d, r) for t in rec["normalized"]["prompts"]
+            for d in spec.direction_labels for r in range(spec.repeats)]
+
+
+def compile_run(out: Path):
+    """The stored traces -> (:class:`Analysis`, the written outputs' paths); no model needed."""
+    result = analyse_run(out)
+    return result, write_outputs(out, result)
+
+
 def unit_failed(task: dict, error: str) -> dict:
     return {"key": task["key"], "error": " ".join(str(error).split())}
 
@@ -475,9 +488,7 @@ def _run_frontier_locked(spec, folder: RunFolder, workers: int, say, t0: float, 
     probe_executor(executor, FrontierRunError)
     _captures(spec, out, say)
 
-    rec = spec.record()
-    units = [_unit_task(rec, out, t, d, r) for t in rec["normalized"]["prompts"]
-             for d in spec.direction_labels for r in range(spec.repeats)]
+    units = plan_units(spec, out)
     todo = [u for u in units if not _unit_done(u)]
     unit = Unit(UNIT_FN, unit_failed, {"STATELAB_THREADS": str(spec.threads)} if spec.threads else {})
     failed, seen = [], []
@@ -495,8 +506,7 @@ def _run_frontier_locked(spec, folder: RunFolder, workers: int, say, t0: float, 
     if failed:
         key, error = failed[0]
         raise FrontierRunError(f"{len(failed)} of {len(todo)} worker(s) failed; first {key}: {error}")
-    result = analyse_run(out)
-    paths = write_outputs(out, result)
+    result, paths = compile_run(out)
     agree = result.agreement.attrs
     return RunSummary(out, len(todo), len(units) - len(todo), time.perf_counter() - t0, paths["report"],
                       paths["results"], result.n_frontiers, (int(agree["n_agree"]), int(agree["n_compared"])))
