@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from statelab.audit.admission import device_refusal
 from statelab.errors import ConfigError, StatelabError
 from statelab.experiments.executors import Unit, execute
 from statelab.experiments.matrix.store import CellLog, first_ok
+from statelab.experiments.specfile import check_keys, read_toml
 from statelab.models import model_sha256, resolve_model
 from statelab.paths import atomic_write_netcdf, atomic_write_text, cache_dir as default_cache, exclusive_lock
 from statelab.runtime import Model, prepare_backend
@@ -54,17 +54,9 @@ class CampaignSpec:
     def load(cls, path: str | Path, **overrides) -> "CampaignSpec":
         """Read a spec; keyword overrides that are not None replace its values."""
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"campaign spec not found: {p}")
-        try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p}: malformed TOML: {e}") from None
+        raw = read_toml(p, "campaign spec", ConfigError)
         raw = raw.get("campaign", raw)
-        known = set(cls.__dataclass_fields__)
-        bad = sorted(set(raw) - known)
-        if bad:
-            raise ConfigError(f"{p}: unknown keys {bad}; known: {sorted(known)}")
+        check_keys(raw, p, "campaign spec", ConfigError, tuple(cls.__dataclass_fields__), ())
         spec = cls(**{**raw, **{k: v for k, v in overrides.items() if v is not None}})
         spec.validate()
         return spec

@@ -58,15 +58,20 @@ def load_toml_spec(path: Path, kind: str, error: type[Exception], top_keys: Sequ
                    required: Sequence[str]) -> dict:
     """Read and parse the TOML file at ``path``; refuse unknown top-level keys and missing
     required ones.  Errors are ``error`` instances naming the spec as ``kind``."""
+    return check_keys(read_toml(path, kind, error), path, kind, error, top_keys, required)
+
+
+def read_toml(path: Path, kind: str, error: type[Exception]) -> dict:
+    """The TOML file at ``path`` as data; a missing, unreadable or malformed file is one
+    ``error`` naming the spec as ``kind``."""
     if not path.is_file():
         raise error(f"{kind} not found: {path}")
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise spec_error(error, kind, path, f"malformed TOML: {e}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise spec_error(error, kind, path, f"cannot read: {e}") from None
-    return check_keys(data, path, kind, error, top_keys, required)
 
 
 def check_keys(data: dict, path: Path, kind: str, error: type[Exception], top_keys: Sequence[str],
