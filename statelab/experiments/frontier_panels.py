@@ -75,8 +75,8 @@ from statelab.runtime import ContextConfig, Model, prepare_backend
 from statelab.selection import Selection, apply_subset, load_selector, select
 from statelab.experiments.specfile import SpecCommon, check_prompt_fits, spec_error
 
-SPEC_FORMAT = "statelab.analysis.frontier-spec/1"
-TRACE_FORMAT = "statelab.analysis.frontier-trace/1"
+SPEC_FORMAT = "statelab.frontier-spec/1"
+TRACE_FORMAT = "statelab.frontier-trace/1"
 ARMS = ("EMPTY", "C1", "C2", "BOTH")
 DEFAULT_PANELS = {"L0": ("L0_K", "L0_V"), "POSITION": ("PREFIX", "TAIL")}  # = frontier.PANEL_COMPONENTS
 

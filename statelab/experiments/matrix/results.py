@@ -101,7 +101,7 @@ def compile_dataset(spec: dict, ok: dict[str, dict], records: list[dict], contro
                      for v in DETERMINISTIC}, coords=coords)
     ds.attrs.update({"spec_hash": spec["spec_hash"], "study": norm["name"], "model_sha256": norm["model_sha256"],
                      "backend": norm["backend"], "cap": int(norm["cap"]),
-                     "arms": json.dumps(norm["arms"], sort_keys=True), "format": "statelab.experiments.matrix.results/1"})
+                     "arms": json.dumps(norm["arms"], sort_keys=True), "format": "statelab.study.results/1"})
     return ds
 
 

@@ -34,7 +34,7 @@ from statelab.experiments.folder import normalized_hash
 from statelab.experiments.naming import Direction, parse_directions, slug
 from statelab.experiments.specfile import SpecCommon, check_against_model as check, check_prompt_fits, spec_error
 
-FORMAT = "statelab.experiments.matrix/1"
+FORMAT = "statelab.study/1"
 _TOP_KEYS = ("name", "description", "model", "backend", "threads", "n_ctx", "cap", "repeats", "prompts",
              "selectors", "directions", "arms")
 _REQUIRED = ("cap", "prompts", "selectors", "directions", "arms")  # cap decides every endpoint: never implied
