@@ -18,10 +18,10 @@ from pathlib import Path
 from _report import machine, update_section
 
 from statelab import prompts
-from statelab.archive import load_capture, save_capture
-from statelab.formation import PRESETS, form
-from statelab.intervene import config_of, subset_cross
-from statelab.receiver import continue_greedy
+from statelab.lab.archive import load_capture, save_capture
+from statelab.lab.formation import PRESETS, form
+from statelab.lab.intervene import config_of, subset_cross
+from statelab.lab.receiver import continue_greedy
 from statelab.runtime import Context, ContextConfig, Model
 from statelab.selection import load_selector, select
 

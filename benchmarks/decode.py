@@ -17,8 +17,8 @@ import time
 from _report import machine, update_section
 
 from statelab import prompts
-from statelab.formation import PRESETS, prefill
-from statelab.receiver import continue_greedy
+from statelab.lab.formation import PRESETS, prefill
+from statelab.lab.receiver import continue_greedy
 from statelab.runtime import Context, ContextConfig, Model, prepare_backend
 
 

@@ -15,9 +15,9 @@ import argparse
 import numpy as np
 
 from statelab import prompts
-from statelab.campaign import CampaignSpec
+from statelab.experiments.campaign import CampaignSpec
 from statelab.runtime import Model
-from statelab.speculative import AdaptiveK, NgramDrafter, Runner, SpecConfig, parse_ngram
+from statelab.speculative.transaction import AdaptiveK, NgramDrafter, Runner, SpecConfig, parse_ngram
 
 
 def replay(prompt: np.ndarray, out: np.ndarray, drafter: NgramDrafter, kp: AdaptiveK) -> tuple[int, int, int, int]:

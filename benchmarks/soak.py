@@ -4,7 +4,7 @@ every endpoint must equal the first request's.
 
     .venv/bin/python benchmarks/soak.py --requests 1000 [--cap 8] [--task HumanEval/2]
 
-One request: form the prompt's state with schedule A and archive it (statelab.archive, a
+One request: form the prompt's state with schedule A and archive it (statelab.lab.archive, a
 new folder), load it back verified, subset cross L0_V + LATE from it into the recipient
 (the prompt formed once with schedule R), continue from the archived capture through the
 common receiver (as `statelab continue`), delete the folder.  Mode "in-process" runs the
@@ -32,9 +32,9 @@ import psutil
 from _report import machine, update_section
 
 from statelab import prompts
-from statelab.archive import load_capture, save_capture
-from statelab.formation import PRESETS, form
-from statelab.intervene import sham, subset_cross
+from statelab.lab.archive import load_capture, save_capture
+from statelab.lab.formation import PRESETS, form
+from statelab.lab.intervene import sham, subset_cross
 from statelab.runtime import ContextConfig, Model
 from statelab.selection import load_selector, select
 

@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 from _report import machine, update_section
 
-from statelab.campaign import CampaignSpec, run_campaign
-from statelab.speculative import PATCHED_LAYOUTS, Arm, is_ngram
+from statelab.experiments.campaign import CampaignSpec, run_campaign
+from statelab.runtime.layouts import Layout
+from statelab.speculative.transaction import Arm, is_ngram
 
 GOAL = ("R", "C_QB", 1.5)
 
@@ -42,7 +43,7 @@ def rows_sweep(spec: CampaignSpec, rounds: int = 40) -> str:
 
     cfg = spec.spec_config()
     arm = next((Arm.parse(a) for a in spec.arms if Arm.parse(a).draft), Arm.parse("C_QB"))
-    layout = arm.layout if arm.layout in PATCHED_LAYOUTS else "MQ"
+    layout = arm.layout if Layout(arm.layout).needs_patch else "MQ"
     prepare_backend(spec.backend)
     rmax = cfg.rows
     layouts_run = [layout] + (["MQ"] if layout != "MQ" else [])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from _report import machine, update_section
 
-from statelab.campaign import CampaignSpec, run_campaign
+from statelab.experiments.campaign import CampaignSpec, run_campaign
 
 DEFAULT = ["studies/spec-cpu-weights.toml", "studies/spec-cpu-gemma-weights.toml"]
 

@@ -1,7 +1,7 @@
 """A Python API for notebooks: captures as xarray Datasets, crosses, continuations, diffs.
 
 No hidden global state: every function takes what it works on (capture folders or
-:class:`~statelab.formation.Capture` objects, and optionally an open
+:class:`~statelab.lab.formation.Capture` objects, and optionally an open
 :class:`~statelab.runtime.Model`) and loads nothing it is not given except the model file
 the capture names, which it opens for the call and closes again.  See ``docs/api.md``.
 """
@@ -16,18 +16,22 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from .errors import ConfigError, IdentityError
-from .formation import Capture
-from .kvstate import GGML_BF16, KVState, check_same_geometry, compare, values_f64
-from .receiver import DEFAULT_CAP, Endpoint
+from statelab import prompts
+from statelab.errors import ConfigError, IdentityError
+from statelab.kvstate import GGML_BF16, KVState, check_same_geometry, compare, values_f64
+from statelab.lab.archive import check_importable, load_capture, save_capture
+from statelab.lab.formation import Capture, form, parse_schedule
+from statelab.lab.intervene import config_of, cross as whole_cross, import_and_continue, subset_cross
+from statelab.lab.receiver import DEFAULT_CAP, Endpoint, check_cap
+from statelab.models import read_model_info
+from statelab.runtime import ContextConfig, Model
+from statelab.selection import load_selector, select
 
 CaptureLike = Capture | str | os.PathLike
 
 
 def load(capture: CaptureLike) -> Capture:
     """A Capture object from a folder (verified against its manifest) or the object itself."""
-    from .archive import load_capture
-
     return capture if isinstance(capture, Capture) else load_capture(capture)
 
 
@@ -42,8 +46,6 @@ def _attr(value):
 
 def head_dims(capture: Capture, model_path=None) -> tuple[int, int]:
     """(head_dim_k, head_dim_v) of the capture's model, read from its GGUF header (hash checked)."""
-    from .models import read_model_info
-
     path = model_path or capture.identity.get("model_path")
     if not path or not Path(path).is_file():
         raise ConfigError(f"the capture's model file {path!r} is not here: pass model_path= (the GGUF) or head_dim=")
@@ -117,8 +119,6 @@ def open_capture(path: CaptureLike, model_path=None, head_dim: int | None = None
 @contextmanager
 def _model_for(cap: Capture, model, backend: str | None):
     """The model given, or the capture's model file opened for this call only."""
-    from .runtime import Model
-
     if model is not None and not isinstance(model, (str, os.PathLike)):
         yield model
         return
@@ -128,8 +128,6 @@ def _model_for(cap: Capture, model, backend: str | None):
 
 
 def _config(cap: Capture):
-    from .intervene import config_of
-
     return config_of(cap)
 
 
@@ -137,11 +135,6 @@ def capture(prompt: str, schedule: str = "A", out=None, model=None, backend: str
             threads: int = 0) -> Capture:
     """Form a state: ``prompt`` is a spec (``HumanEval/2``, ``text:...``, ``file:PATH``); saved to
     ``out`` when given.  ``model``: a GGUF path, an open Model, or None (the embedded default)."""
-    from . import prompts
-    from .archive import save_capture
-    from .formation import form, parse_schedule
-    from .runtime import ContextConfig, Model
-
     p = prompts.resolve(prompt)
     sched = parse_schedule(schedule)
     base = ContextConfig(backend=backend, n_ctx=n_ctx, n_threads=threads)
@@ -159,10 +152,6 @@ def continue_(capture: CaptureLike, cap: int = DEFAULT_CAP, model=None, backend:
               allow_other_backend: bool = False) -> Endpoint:
     """Continue greedily from a capture through the common receiver; the Endpoint (tokens,
     eog, stop_reason; ``as_dict()`` for JSON)."""
-    from .archive import check_importable
-    from .intervene import import_and_continue
-    from .receiver import check_cap
-
     c = load(capture)
     check_cap(cap)
     cfg = _config(c) if backend is None else _config(c).with_(backend=backend)
@@ -196,10 +185,6 @@ def cross(donor: CaptureLike, recipient: CaptureLike, selector=None, cap: int = 
     """Donor KV in the recipient's path.  ``selector`` None (or "ALL") is the whole-KV cross
     with the recipient's logits; a selector name or TOML path is a subset cross.  With
     ``natural=(donor_endpoint, recipient_endpoint)`` the result carries its class."""
-    from .intervene import cross as whole_cross
-    from .intervene import subset_cross
-    from .selection import load_selector, select
-
     d, r = load(donor), load(recipient)
     with _model_for(r, model, _config(r).backend) as m:
         if selector is None:

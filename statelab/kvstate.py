@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import StatelabError
+from statelab.errors import StatelabError
 
 __all__ = [
     "GGML_BF16",

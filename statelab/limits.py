@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 
-from .errors import ConfigError
+from statelab.errors import ConfigError
 
 MAX_TOKENS = 1 << 24  # context size, batch, microbatch, submission: tokens
 MAX_THREADS = 512  # GGML_MAX_N_THREADS of the pinned ggml
@@ -38,3 +38,14 @@ def check_threads(what: str, value) -> int:
     if v is None:
         raise ConfigError(f"{what} must be an integer in 0..{MAX_THREADS} (0: automatic), got {value!r}")
     return v
+
+
+def int_list(text: str, what: str) -> list[int]:
+    """``"1,2,4"`` -> [1, 2, 4]; a ConfigError names ``what`` otherwise."""
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} must be a comma list of integers, got {text!r}") from None
+    if not vals:
+        raise ConfigError(f"{what}: empty list")
+    return vals

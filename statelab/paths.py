@@ -142,6 +142,16 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode())
 
 
+def atomic_write_netcdf(path: str | os.PathLike, ds) -> Path:
+    """An xarray Dataset as NETCDF4 (netcdf4 engine), written atomically with the mode of an
+    ordinary new file: the one NetCDF writer of every experiment, audit and report."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path, umask_mode=True) as tmp:
+        ds.to_netcdf(tmp, engine="netcdf4", format="NETCDF4")
+    return path
+
+
 def read_json_record(file: Path, fmt: str, error: Callable[[str], Exception], *, missing: str,
                      invalid: str = "{file} is not valid JSON: {error}",
                      wrong_format: str = "{file} has format {got!r}, expected {want!r}") -> dict:

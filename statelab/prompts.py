@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import ConfigError
+from statelab.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -73,8 +73,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import StatelabError
-from .kvstate import (
+from statelab.errors import StatelabError
+from statelab.kvstate import (
     SWA_CHUNKED,
     SWA_SYMMETRIC,
     KVFormatError,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from statelab.analysis import (
+from statelab.analysis.classes import (
     Evaluation, bootstrap_ratio_interval, class_matrix_markdown, endpoint_class, first_difference,
     magnitude_separability, minimal_sufficient_selection, non_monotone_pairs, repeat_agreement,
     selector_lattice, trajectory_classes,

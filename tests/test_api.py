@@ -25,9 +25,9 @@ def test_first_differing_cells_on_synthetic_states():
 
 @pytest.fixture(scope="module")
 def caps(model, base_config, he, tmp_path_factory):
-    from statelab.archive import save_capture
-    from statelab.formation import PRESETS
-    from statelab.intervene import natural
+    from statelab.lab.archive import save_capture
+    from statelab.lab.formation import PRESETS
+    from statelab.lab.intervene import natural
 
     d = tmp_path_factory.mktemp("api")
     out = {}

@@ -11,7 +11,7 @@ import pytest
 import xarray as xr
 
 from conftest import one_line_error, run_cli
-from statelab.archive import load_capture
+from statelab.lab.archive import load_capture
 
 pytestmark = pytest.mark.model
 TEXT = "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"
@@ -93,7 +93,7 @@ def test_audit_e1_one_layer(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_study(tmp_path_factory):
-    from statelab.study import run_study
+    from statelab.experiments.matrix import run_study
 
     root = tmp_path_factory.mktemp("study")
     spec = root / "tiny.toml"
@@ -118,11 +118,11 @@ def test_study_report_recompiles_the_same_results(tiny_study):
 
 
 def test_study_minimal_finds_a_selection_that_reproduces_the_donor(tiny_study, model, tmp_path):
-    from statelab.analysis import endpoint_class
-    from statelab.intervene import subset_cross
-    from statelab.receiver import Endpoint
+    from statelab.analysis.classes import endpoint_class
+    from statelab.lab.intervene import subset_cross
+    from statelab.lab.receiver import Endpoint
     from statelab.selection import Selector, Term, select
-    from statelab.study import StudyDir
+    from statelab.experiments.matrix import StudyDir
 
     spec, out = tiny_study
     js = tmp_path / "min.json"
@@ -175,7 +175,7 @@ def _check_campaign(out: Path, records: list[dict], arms=("R", "M_QB", "C_QB"), 
 
 
 def test_run_campaign_in_process(tmp_path):
-    from statelab.campaign import CampaignSpec, run_campaign
+    from statelab.experiments.campaign import CampaignSpec, run_campaign
 
     p = tmp_path / "c.toml"
     p.write_text(CAMPAIGN)

@@ -19,9 +19,9 @@ import psutil
 import pytest
 import xarray as xr
 
-from statelab.study.results import DETERMINISTIC, load_dataset
-from statelab.study.spec import load_spec
-from statelab.study.store import CellLog
+from statelab.experiments.matrix.results import DETERMINISTIC, load_dataset
+from statelab.experiments.matrix.spec import load_spec
+from statelab.experiments.matrix.store import CellLog
 
 REPO = Path(__file__).resolve().parents[1]
 CI = REPO / "studies" / "ci.toml"
@@ -64,7 +64,7 @@ def _lines(path: Path) -> int:
 
 
 def _cell_children(worker: subprocess.Popen) -> list[psutil.Process]:
-    """The cell processes (`python -m statelab.study.worker`) below a `dask worker` process."""
+    """The cell processes (`python -m statelab.experiments.worker`) below a `dask worker` process."""
     try:
         kids = psutil.Process(worker.pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -72,7 +72,7 @@ def _cell_children(worker: subprocess.Popen) -> list[psutil.Process]:
     out = []
     for k in kids:
         try:
-            if "statelab.study.worker" in " ".join(k.cmdline()):
+            if "statelab.experiments.worker" in " ".join(k.cmdline()):
                 out.append(k)
         except psutil.NoSuchProcess:
             pass

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from statelab.derive import DERIVED_FROM_KEY, DERIVED_LAYERS_KEY, _reader, derive_truncated, same_vocabulary
+from statelab.speculative.derive import DERIVED_FROM_KEY, DERIVED_LAYERS_KEY, _reader, derive_truncated, same_vocabulary
 from statelab.errors import ConfigError, ModelError
 
 N = 4

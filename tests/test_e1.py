@@ -130,7 +130,7 @@ def test_bad_input(model, base_config, prompt_tokens):
         run_e1(model, prompt_tokens, layers=[0], phases=("decode",), base_config=base_config)
     if not layouts.available():
         from statelab.audit.capture import Geometry, run_graph
-        from statelab.formation import Schedule
+        from statelab.lab.formation import Schedule
 
         with pytest.raises(ConfigError, match="layout patch"):
             run_graph(model, prompt_tokens[:2], Geometry(Schedule("q2", (2,), 2, 512), "QB"), base_config)

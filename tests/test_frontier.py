@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from statelab.analysis import first_difference
-from statelab.frontier import (
+from statelab.analysis.classes import first_difference
+from statelab.analysis.frontier import (
     ARMS, ArmTrace, FrontierError, analyse_panel, canonical_pair, canonicalise, combine,
     condition_accounting, contrast_table_markdown, fixed_pair_scores, four_cell, frontier,
     frontier_pair, load_results, missing_summary, missing_vectors, plot_scores, save_results,

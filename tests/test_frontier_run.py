@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import one_line_error
-from statelab.frontier_run import FrontierRunError, load_spec
+from statelab.experiments.frontier_panels import FrontierRunError, load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 THREADS = {"STATELAB_THREADS": "1"}
@@ -87,7 +87,7 @@ def run_dir(tmp_path_factory):
 
 @pytest.mark.model
 def test_position_panel_two_processes_agree(run_dir):
-    from statelab import frontier as F
+    from statelab.analysis import frontier as F
 
     out, r = run_dir
     assert "repeats agree on" in r.stdout
@@ -154,7 +154,7 @@ def _no_native(tmp_path: Path) -> dict:
 
 @pytest.mark.model
 def test_analyse_reproduces_without_model(run_dir, tmp_path, cli):
-    from statelab import frontier as F
+    from statelab.analysis import frontier as F
 
     out, _ = run_dir
     copy = _copy(out, tmp_path / "copy")
@@ -172,7 +172,7 @@ def _manifest(folder: Path) -> dict:
 
 def _write_manifest(folder: Path, m: dict) -> None:
     """Write an edited manifest resealed, as a consistent forgery would (the seal alone would refuse it)."""
-    from statelab.archive import manifest_seal
+    from statelab.lab.archive import manifest_seal
 
     m["seal"] = manifest_seal(m)
     (folder / "manifest.json").write_text(json.dumps(m, indent=2, sort_keys=True))
@@ -248,7 +248,7 @@ def test_bad_stored_traces_give_one_line_errors(run_dir, tmp_path, cli):
 
 @pytest.mark.model
 def test_demo_frontier_section(model):
-    from statelab.demo import frontier_section
+    from statelab.experiments.demo import frontier_section
     from statelab.runtime import ContextConfig
 
     md = frontier_section(model, ContextConfig(backend="cpu", n_ctx=1024, n_threads=1), ["HumanEval/86"], cap=4)
@@ -261,7 +261,7 @@ def test_demo_frontier_section(model):
 
 @pytest.mark.model
 def test_rerun_resumes_and_other_spec_is_refused(run_dir, tmp_path, cli):
-    from statelab import frontier as F
+    from statelab.analysis import frontier as F
 
     out, _ = run_dir
     before = F.load_results(out / "results.nc")
@@ -272,4 +272,4 @@ def test_rerun_resumes_and_other_spec_is_refused(run_dir, tmp_path, cli):
 
     other = tmp_path / "other.toml"
     other.write_text(SPEC.replace("cap = 16", "cap = 12"))
-    one_line_error(cli("frontier", "run", other, "--out", out, env=THREADS), "holds a frontier run of another spec")
+    one_line_error(cli("frontier", "run", other, "--out", out, env=THREADS), "holds a frontier run of a different spec")

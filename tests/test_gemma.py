@@ -11,8 +11,8 @@ import pytest
 from statelab.api import diff as api_diff
 from statelab.api import difference_summary, open_capture
 from statelab.errors import ConfigError, IdentityError
-from statelab.formation import PRESETS, form, parse_schedule
-from statelab.intervene import cross, natural, sham, subset_cross
+from statelab.lab.formation import PRESETS, form, parse_schedule
+from statelab.lab.intervene import cross, natural, sham, subset_cross
 from statelab.kvstate import GGML_BF16, GGML_F16, GGML_F32, GGML_Q8_0, KVFormatError, KVState, compare
 from statelab.selection import SelectorError, load_selector, select
 

@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, STATELAB, one_line_error, run_cli
-from statelab.archive import ArchiveError, load_capture, save_capture
+from statelab.lab.archive import ArchiveError, load_capture, save_capture
 from statelab.errors import ConfigError, StatelabError
-from statelab.formation import PRESETS, Schedule, form, parse_schedule
-from statelab.frontier_run import FrontierRunError
+from statelab.lab.formation import PRESETS, Schedule, form, parse_schedule
+from statelab.experiments.frontier_panels import FrontierRunError
 from statelab.paths import exclusive_lock
-from statelab.study import StudyDir, StudyError, load_spec
+from statelab.experiments.matrix import StudyDir, StudyError, load_spec
 
 # Names new with the hardening are imported inside the tests, so that on a tree without
 # them each test fails for its own fault rather than the whole module failing to import.
@@ -89,7 +89,7 @@ def test_usage_error_prints_the_usage_line_and_exits_2(args):
 
 
 def test_codec_selector_and_frontier_errors_are_statelab_errors():
-    from statelab.frontier import FrontierError
+    from statelab.analysis.frontier import FrontierError
     from statelab.kvstate import KVFormatError, KVState
     from statelab.selection import SelectorError
 
@@ -171,7 +171,7 @@ def test_huge_schedules_are_refused_before_the_native_library(tmp_path, schedule
 
 def test_geometry_bounds_in_the_library():
     from statelab.runtime import ContextConfig
-    from statelab.speculative import SpecConfig
+    from statelab.speculative.transaction import SpecConfig
 
     for kw in ({"n_ctx": 2**32 + 1024}, {"n_batch": 3_000_000_000, "n_ubatch": 512}, {"n_ubatch": 0},
                {"n_threads": -3}, {"n_threads": 100_000}, {"n_ctx": 1.5}):
@@ -248,7 +248,7 @@ def test_a_bit_flip_in_every_byte_of_the_manifest_is_refused(caps, tmp_path):
     byte i, so every bit position is hit), each read back through the archive's reader."""
     import tempfile
 
-    from statelab.archive import manifest_seal, read_manifest
+    from statelab.lab.archive import manifest_seal, read_manifest
 
     shm = Path("/dev/shm")
     work = Path(tempfile.mkdtemp(dir=shm)) if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
@@ -433,7 +433,7 @@ def _killed_while_writing(code: str, target: Path) -> Path:
 
 CAPTURE_KILLED = """
     import os, sys, time
-    from statelab import archive
+    from statelab.lab import archive
     def stuck(fd):
         print("ready", flush=True)
         time.sleep(60)
@@ -497,7 +497,7 @@ def test_frontier_run_folder_has_one_writer(tmp_path):
 def test_a_replace_killed_between_its_renames_loses_nothing(tmp_path):
     """A writer killed after moving the old archive aside and before renaming the new one into place
     leaves no dest: the next write puts the old version back before it decides anything."""
-    from statelab.archive import read_verified, write_files_atomic
+    from statelab.lab.archive import read_verified, write_files_atomic
     from statelab.paths import REPLACED
 
     dest = tmp_path / "arch"

@@ -8,8 +8,8 @@ import struct
 import numpy as np
 import pytest
 
-from statelab.interop import (SEQ_FILE_MAGIC, WHOLE_FILE_MAGIC, InteropError, encode_state_file, parse_state_file,
-                              sequence_zero_state, split_whole_stream, whole_stream)
+from statelab.lab.interop import (SEQ_FILE_MAGIC, WHOLE_FILE_MAGIC, InteropError, encode_state_file, parse_state_file,
+                                  sequence_zero_state, split_whole_stream, whole_stream)
 from statelab.kvstate import KVState, build_blob, make_state
 
 from conftest import one_line_error
@@ -127,8 +127,8 @@ def test_unknown_kind_is_refused():
 @pytest.fixture(scope="module")
 def arms(model, base_config, he):
     """HumanEval/2 formed with A and R (their states differ on CPU), with natural endpoints."""
-    from statelab.formation import PRESETS
-    from statelab.intervene import natural
+    from statelab.lab.formation import PRESETS
+    from statelab.lab.intervene import natural
 
     p = he("HumanEval/2")
     return p, {s: natural(model, p, PRESETS[s], base_config, CAP) for s in ("A", "R")}
@@ -142,7 +142,7 @@ def _save_as_slot(model, capture, path, slot=2, whole=False):
     unified KV: llama_state_seq_save_file of sequence `slot`, its tokens packed by
     server_tokens::serialize (here: the capture restored into sequence `slot` of a 4-sequence
     context)."""
-    from statelab.intervene import config_of
+    from statelab.lab.intervene import config_of
     from statelab.runtime import Context
     from statelab.runtime import statefile
 
@@ -158,8 +158,8 @@ def _save_as_slot(model, capture, path, slot=2, whole=False):
 
 @pytest.mark.model
 def test_library_slot_file_imports_byte_for_byte_with_recomputed_logits(model, base_config, arms, tmp_path):
-    from statelab.interop import import_state_file
-    from statelab.intervene import import_and_continue
+    from statelab.lab.interop import import_state_file
+    from statelab.lab.intervene import import_and_continue
 
     p, got = arms
     cap_r, nat_r = got["R"]
@@ -180,7 +180,7 @@ def test_library_slot_file_imports_byte_for_byte_with_recomputed_logits(model, b
 
 @pytest.mark.model
 def test_whole_context_file_from_the_library_imports(model, base_config, arms, tmp_path):
-    from statelab.interop import import_state_file
+    from statelab.lab.interop import import_state_file
 
     _p, got = arms
     cap_a = got["A"][0]
@@ -195,9 +195,9 @@ def test_whole_context_file_from_the_library_imports(model, base_config, arms, t
 @pytest.mark.model
 @pytest.mark.parametrize("kind, streams", [("seq", 1), ("whole", 1), ("seq", 4)])
 def test_exported_file_restores_in_the_real_library_and_continues_identically(model, arms, tmp_path, kind, streams):
-    from statelab.interop import export_state_file
-    from statelab.intervene import config_of
-    from statelab.receiver import continue_greedy
+    from statelab.lab.interop import export_state_file
+    from statelab.lab.intervene import config_of
+    from statelab.lab.receiver import continue_greedy
     from statelab.runtime import Context
     from statelab.runtime import statefile
 
@@ -217,7 +217,7 @@ def test_exported_file_restores_in_the_real_library_and_continues_identically(mo
 
 @pytest.mark.model
 def test_cli_import_diff_and_export(cli, model, arms, tmp_path):
-    from statelab.archive import save_capture
+    from statelab.lab.archive import save_capture
 
     _p, got = arms
     local = save_capture(got["A"][0], tmp_path / "local")
@@ -284,8 +284,8 @@ def test_bad_files_give_one_line_and_write_nothing(cli, model, arms, tmp_path):
 def test_a_slot_saved_after_a_completion_diffs_on_the_prompt_cells(cli, model, base_config, arms, tmp_path):
     """A server slot saved after a completion holds the prompt and the generated tokens: the
     import takes the prompt as a prefix, diff compares the cells both captures hold."""
-    from statelab.archive import save_capture
-    from statelab.formation import PRESETS, form
+    from statelab.lab.archive import save_capture
+    from statelab.lab.formation import PRESETS, form
     from statelab.prompts import resolve
 
     p, got = arms
@@ -328,7 +328,7 @@ def test_capture_without_logits_refuses_to_continue_with_one_line(cli, model, ar
 
 @pytest.mark.model
 def test_export_refuses_to_overwrite(cli, arms, tmp_path):
-    from statelab.archive import save_capture
+    from statelab.lab.archive import save_capture
 
     _p, got = arms
     c = save_capture(got["A"][0], tmp_path / "c")
@@ -349,8 +349,8 @@ def _llama(model, **kw):
 
 @pytest.mark.model
 def test_llama_state_to_capture_equals_statelab_capture(model, base_config, arms):
-    from statelab.interop import capture_from_llama_state
-    from statelab.intervene import import_and_continue
+    from statelab.lab.interop import capture_from_llama_state
+    from statelab.lab.intervene import import_and_continue
 
     p, got = arms
     cap_a, nat_a = got["A"]
@@ -370,7 +370,7 @@ def test_llama_state_to_capture_equals_statelab_capture(model, base_config, arms
 def test_llama_state_without_logits_all_has_no_state_logits(model, base_config, arms):
     """Without logits_all llama-cpp-python never writes its scores: the saved row is uninitialised
     (zeros), so logits='state' is refused instead of starting the continuation from token 0."""
-    from statelab.interop import InteropError, capture_from_llama_state
+    from statelab.lab.interop import InteropError, capture_from_llama_state
 
     p, got = arms
     llm = _llama(model, logits_all=False)
@@ -385,7 +385,7 @@ def test_llama_state_without_logits_all_has_no_state_logits(model, base_config, 
 
 @pytest.mark.model
 def test_capture_to_llama_state_continues_in_llama(model, arms):
-    from statelab.interop import capture_to_llama_state
+    from statelab.lab.interop import capture_to_llama_state
 
     _p, got = arms
     cap_r, nat_r = got["R"]

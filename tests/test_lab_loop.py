@@ -4,10 +4,10 @@ import json
 import numpy as np
 import pytest
 
-from statelab.archive import ArchiveError, check_importable, load_capture, manifest_seal, save_capture
+from statelab.lab.archive import ArchiveError, check_importable, load_capture, manifest_seal, save_capture
 from statelab.errors import ConfigError, IdentityError
-from statelab.formation import PRESETS, form, parse_schedule
-from statelab.intervene import config_of, cross, natural, sham
+from statelab.lab.formation import PRESETS, form, parse_schedule
+from statelab.lab.intervene import config_of, cross, natural, sham
 from statelab.kvstate import KVFormatError, KVState, compare
 
 pytestmark = pytest.mark.model

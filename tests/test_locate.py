@@ -8,7 +8,7 @@ import pytest
 from statelab.audit.capture import parse_geometry, parse_layers, parse_node_name, plan_calls
 from statelab.audit.locate import compare_runs, layer_summary, locate, locate_markdown
 from statelab.errors import ConfigError
-from statelab.formation import parse_schedule
+from statelab.lab.formation import parse_schedule
 
 pytestmark = pytest.mark.model
 

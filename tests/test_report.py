@@ -100,7 +100,7 @@ def test_figures_say_when_there_is_nothing_to_draw(tmp_path):
 
 
 def test_margin_trajectories_and_profile_from_datasets(tmp_path):
-    from statelab.analysis import kv_profile_dataset
+    from statelab.analysis.classes import kv_profile_dataset
 
     m = np.abs(np.random.default_rng(1).normal(2, 1, size=(2, 2, 12)))
     m[1, :, 8:] = np.nan
@@ -165,7 +165,7 @@ def test_frontier_run_and_analyse_write_report_html(tmp_path):
 
 @pytest.mark.model
 def test_campaign_writes_a_forest_plot(tmp_path):
-    from statelab.campaign import CampaignSpec, run_campaign
+    from statelab.experiments.campaign import CampaignSpec, run_campaign
     from statelab.report import campaign_page
 
     spec = CampaignSpec(prompts=["HumanEval/2"], arms=["R", "M_QB"], sessions=2, cap=4, threads=1,
@@ -183,7 +183,7 @@ def test_campaign_writes_a_forest_plot(tmp_path):
 def test_demo_and_diff_plot(tmp_path):
     from rich.console import Console
 
-    from statelab import demo
+    from statelab.experiments import demo
 
     out = tmp_path / "demo"
     rows = demo.run(Console(file=open(tmp_path / "demo.log", "w")), None, "cpu", 8, ["HumanEval/86"], 1, out,

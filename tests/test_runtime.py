@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from statelab.formation import PRESETS, parse_schedule, prefill
-from statelab.receiver import continue_greedy
+from statelab.lab.formation import PRESETS, parse_schedule, prefill
+from statelab.lab.receiver import continue_greedy
 from statelab.runtime import Context
 
 pytestmark = pytest.mark.model

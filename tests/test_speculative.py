@@ -2,10 +2,10 @@
 import numpy as np
 import pytest
 
-from statelab.campaign import CampaignSpec, mask_lattice, prompt_key, qualify_records, report_markdown, run_campaign
+from statelab.experiments.campaign import CampaignSpec, mask_lattice, prompt_key, qualify_records, report_markdown, run_campaign
 from statelab.errors import ConfigError, IdentityError
-from statelab.speculative import (AdaptiveK, Arm, NgramDrafter, PhaseGuard, Runner, SpecConfig, parse_ngram,
-                                  qualify)
+from statelab.speculative.transaction import (AdaptiveK, Arm, NgramDrafter, PhaseGuard, Runner, SpecConfig, parse_ngram,
+                                              qualify)
 
 CAP = 24
 
@@ -73,7 +73,7 @@ def test_draft_with_another_vocabulary_is_refused(model, tmp_path, cli):
     w.close()
     r = cli("spec", "run", "-H", "2", "--arms", "C0", "--draft", path, "--cap", "4")
     assert r.returncode != 0 and "vocabulary" in r.stderr and "Traceback" not in r.stderr
-    from statelab.speculative import check_draft_paths
+    from statelab.speculative.transaction import check_draft_paths
 
     with pytest.raises(IdentityError, match="vocabulary"):
         check_draft_paths(model.path, path)
@@ -101,7 +101,7 @@ def test_transaction_consumes_pending_once_and_matches_reference(model, he):
 def test_rollback_path_with_a_truncated_draft(model, he, tmp_path):
     """A 2-layer draft disagrees often: rollbacks happen, and the endpoint still equals the
     target-only arm of the same geometry (speculation changes no committed token there)."""
-    from statelab.derive import derive_truncated
+    from statelab.speculative.derive import derive_truncated
     from statelab.runtime import Model
 
     path = tmp_path / "d2.gguf"
@@ -361,7 +361,7 @@ def test_a_campaign_folder_has_one_writer(tmp_path):
 
 def test_campaign_hash_follows_what_the_blocks_measured(tmp_path):
     """Analysis-only fields may change in a resumed folder; a prompt file's text may not."""
-    from statelab.campaign import campaign_hash
+    from statelab.experiments.campaign import campaign_hash
 
     f = tmp_path / "p.txt"
     f.write_text("def add(a, b):\n")

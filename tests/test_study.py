@@ -19,10 +19,10 @@ import pytest
 import xarray as xr
 
 from conftest import one_line_error, run_cli
-from statelab.study import (DETERMINISTIC, CellLog, StudyDir, StudyError, compile_dataset, compile_study,
-                            load_dataset, load_spec, run_study)
-from statelab.study.cells import plan, run_cell
-from statelab.study.executors import check_executor
+from statelab.experiments.matrix import (DETERMINISTIC, CellLog, StudyDir, StudyError, compile_dataset, compile_study,
+                                         load_dataset, load_spec, run_study)
+from statelab.experiments.matrix.cells import plan, run_cell
+from statelab.experiments.executors import check_executor
 
 REPO = Path(__file__).resolve().parents[1]
 CI = REPO / "studies" / "ci.toml"
@@ -99,9 +99,9 @@ def test_spec_errors_in_library(tmp_path):
             load_spec(_spec(tmp_path, name=f"s{i}", **over), check_model=False)
         assert needle in str(e.value), (over, str(e.value))
     with pytest.raises(StudyError, match="unknown executor"):
-        check_executor("threads", 2)
+        check_executor("threads", 2, StudyError)
     with pytest.raises(StudyError, match="--workers"):
-        check_executor("local", 0)
+        check_executor("local", 0, StudyError)
     assert check_executor("dask://10.0.0.1:8786", 1) == "dask://10.0.0.1:8786"
 
 
@@ -173,7 +173,7 @@ def test_ci_study_killed_and_resumed(tmp_path, model):
     # a changed spec is refused for this folder
     changed = tmp_path / "ci16.toml"
     changed.write_text(CI.read_text().replace("cap = 32", "cap = 16"))
-    one_line_error(run_cli("study", "run", changed, "--out", out), "different study spec", "new --out")
+    one_line_error(run_cli("study", "run", changed, "--out", out), "holds a study run of a different spec", "new --out")
 
     r = run_cli("study", "run", CI, "--out", out, "--workers", "2")
     assert r.returncode == 0, r.stderr
@@ -285,3 +285,21 @@ def test_failed_control_withholds_the_prompt(tiny_study, tmp_path, cli):
     assert "0 done, 0 failed, 2 withheld, 0 pending" in report
     r = cli("study", "run", spec, "--out", out)
     assert r.returncode == 1 and "controls failed: 2 cells withheld" in r.stderr, (r.returncode, r.stderr)
+
+
+def test_spec_as_data_equals_the_same_spec_read_from_toml(tmp_path):
+    """A program (the demo) passes a spec as data, no TOML text written and read back: the
+    same content gives the same spec and hash as the file; its errors read the same."""
+    import tomllib
+
+    from statelab.experiments.demo import arms_for, matrix_spec_data
+    from statelab.experiments.matrix.spec import spec_from_data
+
+    data = tomllib.loads(CI.read_text())
+    assert spec_from_data(data, CI, check_model=False).hash == load_spec(CI, check_model=False).hash
+    with pytest.raises(StudyError, match="unknown key"):
+        spec_from_data({**data, "colour": "red"}, CI, check_model=False)
+    demo = spec_from_data(matrix_spec_data(None, "cpu", arms_for("cpu"), ["HumanEval/2"], 8, 1),
+                          tmp_path / "matrix.toml", check_model=False)
+    assert [d.label for d in demo.directions] == ["A->R", "R->A"] and len(demo.selectors) == 12
+    assert demo.repeats == 2 and demo.cap == 8 and not (tmp_path / "matrix.toml").exists()

@@ -20,8 +20,8 @@ print(json.dumps({"build": build_identity().get("backend"),
 RUN = """
 import json, sys
 from statelab import prompts
-from statelab.formation import PRESETS, form
-from statelab.intervene import natural
+from statelab.lab.formation import PRESETS, form
+from statelab.lab.intervene import natural
 from statelab.kvstate import compare
 from statelab.runtime import ContextConfig, Model, prepare_backend
 prepare_backend("vulkan")

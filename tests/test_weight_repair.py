@@ -6,7 +6,7 @@ import pytest
 
 from statelab.audit.capture import parse_geometry, parse_node_name
 from statelab.errors import ConfigError
-from statelab.speculative import Arm, PhaseGuard, Runner, SpecConfig, qualify
+from statelab.speculative.transaction import Arm, PhaseGuard, Runner, SpecConfig, qualify
 
 from conftest import one_line_error
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from statelab.analysis import first_difference
+from statelab.analysis.classes import first_difference
 from statelab.paths import atomic_write_text
 
 

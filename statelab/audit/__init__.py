@@ -1,6 +1,6 @@
 """Layout audits: integer address oracle, fault injection and FP64/F32 oracles for the
 QB query-to-batch attention view (see :mod:`statelab.audit.oracles`)."""
-from .oracles import (
+from statelab.audit.oracles import (
     FAULTS,
     OBLIGATIONS,
     Fault,

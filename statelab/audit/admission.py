@@ -26,9 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
+from statelab.errors import ConfigError
+from statelab.runtime import Context, ContextConfig, Model, layouts
+from statelab.runtime.ggml_ops import OpGraph, backend_devices
+from statelab.runtime.layouts import ATTENTION_LAYOUTS, Layout
+from statelab.runtime.native import devices_for_backend
 
-LAYOUTS = ("MQ", "PQ", "QB")
+LAYOUTS = ATTENTION_LAYOUTS
 OPS = ("qk", "softmax", "av", "concat")
 
 
@@ -113,8 +117,6 @@ def _shape_text(t) -> str:
 
 def runtime_admission(model, layout: str, q: int, backend_config=None) -> dict:
     """What the patched runtime built for a q-query micro-batch with `layout` (prefill of q tokens)."""
-    from ..runtime import Context, ContextConfig, layouts
-
     if not layouts.available():
         return {"requested": layout, "built": "", "admitted": -1, "reason": "not available (patch missing)"}
     cfg = (backend_config or ContextConfig(backend=model.backend)).with_(n_ctx=256, n_batch=max(q, 1),
@@ -134,7 +136,6 @@ def run_admission(shape: AttnShape | None = None, qs=(1, 2, 3, 4), layouts=LAYOU
     """Ask every backend device about every layout's operators. Returns an xarray Dataset."""
     import xarray as xr
 
-    from ..runtime.ggml_ops import OpGraph, backend_devices
 
     shape = shape or (AttnShape.of_model(model) if model is not None else AttnShape())
     devs = list(devices) if devices is not None else backend_devices()
@@ -202,10 +203,9 @@ def device_refusal(model, layout: str, q: int) -> str | None:
     A product the device's ``supports_op`` rejects is not an error in llama.cpp: the graph scheduler
     quietly runs it on the CPU backend, so an arm would "qualify" without its layout ever running on
     the device. Callers report such an arm as not admitted instead of running it."""
-    from ..runtime.native import devices_for_backend
-
-    base = layout.split("+")[0]
-    if model.backend == "cpu" or base not in LAYOUTS or q < 2:
+    lay = Layout.parse(layout)
+    base = lay.attention
+    if not lay.device_must_admit(model.backend) or base == "MQ" or q < 2:
         return None
     devs = devices_for_backend(model.backend)[:1]
     ds = run_admission(AttnShape.of_model(model), qs=[q], layouts=[base], devices=devs)
@@ -250,5 +250,25 @@ def admission_markdown(ds) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["AttnShape", "LAYOUTS", "OPS", "admission_markdown", "build_layout", "run_admission",
+def qb_admission(model_path, backend: str = "cpu") -> tuple[str, str, str]:
+    """The capability row of the QB layout for a model: what the patched runtime builds for a
+    4-query micro-batch with QB requested, and whether every device's supports_op accepts QB's
+    operators at the model's attention shape (loads the model)."""
+    with Model(model_path, backend=backend) as m:
+        if m.memory_kind in ("recurrent", "hybrid"):
+            return ("QB admission", "refused", f"{m.memory_kind} memory: no attention layout to choose")
+        ds = run_admission(AttnShape.of_model(m), qs=(4,), layouts=("QB",), model=m,
+                           backend_config=ContextConfig(backend=backend))
+    sup = ds["supported"].sel(layout="QB", q=4)
+    ok = bool((sup != 0).all())
+    built = str(ds["runtime_built"].sel(layout="QB", q=4).item()) if "runtime_built" in ds else ""
+    admitted = int(ds["runtime_admitted"].sel(layout="QB", q=4).item()) if "runtime_admitted" in ds else -1
+    reason = str(ds["runtime_reason"].sel(layout="QB", q=4).item()) if "runtime_reason" in ds else ""
+    status = "supported" if ok and admitted == 1 else "refused"
+    return ("QB admission", status, f"{backend}: supports_op {'accepts' if ok else 'rejects'} QB's operators; "
+                                    f"runtime built {built or '-'} for 4 queries ({reason or 'admitted'}); "
+                                    "admission only: `statelab spec run` qualifies the arms against R")
+
+
+__all__ = ["AttnShape", "LAYOUTS", "OPS", "admission_markdown", "build_layout", "qb_admission", "run_admission",
            "runtime_admission"]

@@ -19,11 +19,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..formation import REST, Schedule, parse_schedule
+from statelab.errors import ConfigError
+from statelab.lab.formation import REST, Schedule, parse_schedule
+from statelab.runtime import Context, ContextConfig, context_identity, layouts
+from statelab.runtime.ggml_ops import GraphCapture
+from statelab.runtime.layouts import FAMILY_LAYOUTS
 
 VIEW_OPS = {"VIEW", "PERMUTE", "RESHAPE", "TRANSPOSE", "NONE"}
-LAYOUT_NAMES = ("MQ", "PQ", "QB", "MQ+W", "PQ+W", "QB+W")
+LAYOUT_NAMES = tuple(x.value for x in FAMILY_LAYOUTS)
 KV_PAD = 256  # llama.cpp pads the KV cells a graph sees to 256
 
 _LAYER_SUFFIX = re.compile(r"^(?P<base>.*?)-(?P<layer>\d+)(?P<rest>(?: \(\w+\))*)$")
@@ -153,8 +156,6 @@ def context_size(n_tokens: int) -> int:
 
 
 def check_layout(layout: str) -> None:
-    from ..runtime import layouts
-
     if layout != "MQ" and not layouts.available():
         raise ConfigError(f"attention layout {layout} needs the layout patch "
                           "(native/patches/0002-attention-layouts.patch), which this build lacks")
@@ -174,9 +175,6 @@ def run_graph(model, tokens, geometry: Geometry, base_config=None, *, want=None,
     capture=False runs without any eval callback (the capture-off control); the run then
     has no nodes and no micro-batch bookkeeping beyond the plan.
     """
-    from ..runtime import Context, ContextConfig, context_identity, layouts
-    from ..runtime.ggml_ops import GraphCapture
-
     toks = np.asarray(tokens, dtype=np.int32).ravel()
     pre = np.asarray(prefix if prefix is not None else [], dtype=np.int32).ravel()
     if len(toks) == 0:

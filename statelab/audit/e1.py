@@ -26,18 +26,24 @@ say "not available (patch missing)".
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import struct
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..formation import Schedule
-from .capture import check_layer, parse_node_name, run_graph
-from .capture import Geometry
+from statelab.audit.capture import Geometry, check_layer, context_size, parse_node_name, run_graph
+from statelab.audit.oracles import ulp_distance
+from statelab.errors import ConfigError, IdentityError
+from statelab.lab.formation import Schedule
+from statelab.paths import atomic_write_bytes, atomic_write_text, read_json_record
+from statelab.runtime import Context, ContextConfig, layouts as lay_api
+from statelab.runtime.layouts import ATTENTION_LAYOUTS
 
 PHASES = ("prefill", "continuation")
-LAYOUTS = ("MQ", "PQ", "QB")
+LAYOUTS = ATTENTION_LAYOUTS
 STAGES = ("qk", "softmax", "av")
 PAIRS = (("MQ", "PQ"), ("MQ", "QB"), ("PQ", "QB"))
 MAX_Q = 4
@@ -202,10 +208,6 @@ def view_maps_ok(cap: AttnCapture) -> bool:
 
 def continuation_tokens(model, prompt_tokens, n: int, base_config=None) -> np.ndarray:
     """The first n greedy continuation tokens after the whole prompt (native graph)."""
-    from ..runtime import Context, ContextConfig
-
-    from .capture import context_size
-
     toks = np.asarray(prompt_tokens, dtype=np.int32)
     cfg = (base_config or ContextConfig(backend=model.backend)).with_(
         n_ctx=context_size(len(toks) + n), n_batch=max(512, len(toks)), n_ubatch=max(512, len(toks)))
@@ -290,8 +292,6 @@ def _same(a: AttnCapture, b: AttnCapture) -> bool:
 
 
 def _diff(x: np.ndarray, y: np.ndarray):
-    from .oracles import ulp_distance
-
     if x.shape != y.shape:
         return False, np.nan, -1
     eq = x.tobytes() == y.tobytes()
@@ -307,7 +307,6 @@ def run_e1(model, prompt_tokens, *, layers=None, phases=PHASES, qs=(1, 2, 3, 4),
     """Run E1 over layers x phases x qs (see module doc). Returns (xarray.Dataset, detail)."""
     import xarray as xr
 
-    from ..runtime import layouts as lay_api
 
     n_layer = model.n_layer
     layers = [0, n_layer // 2, n_layer - 1] if layers is None else [check_layer(model, int(x)) for x in layers]
@@ -498,17 +497,10 @@ CAPTURE_FORMAT = "statelab-attention-capture/1"
 
 def save_capture(cap: AttnCapture, identity: dict, path, meta: dict | None = None):
     """Write a frozen attention capture (operands, outputs, parameters, identity) to a folder."""
-    import json
-    from pathlib import Path
-
-    from ..paths import atomic_write_bytes, atomic_write_text
-
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
     arrays = {f"operand_{k}": np.asarray(v.data) for k, v in cap.operands.items()}
     arrays.update({f"output_{k}": v for k, v in cap.outputs.items()})
-    import io
-
     bio = io.BytesIO()
     np.savez(bio, **arrays)
     atomic_write_bytes(p / "tensors.npz", bio.getvalue())
@@ -524,11 +516,6 @@ def save_capture(cap: AttnCapture, identity: dict, path, meta: dict | None = Non
 
 def load_capture(path, model=None) -> tuple[AttnCapture, dict]:
     """Read a folder written by :func:`save_capture`; with `model`, refuse a capture of another model."""
-    from pathlib import Path
-
-    from ..errors import IdentityError
-    from ..paths import read_json_record
-
     p = Path(path)
     man = read_json_record(p / "manifest.json", CAPTURE_FORMAT, ConfigError,
                            missing="not an attention capture folder (no manifest.json): {folder}",

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
+from statelab.errors import ConfigError
+from statelab.models import model_sha256
+from statelab.runtime.ggml_ops import OpGraph, backend_devices, type_code, weight_buffer_types
 
 MAX_Q = 8
 SEED = 0
@@ -71,8 +73,6 @@ def weight_cases(path, max_rows: int = 1024) -> list[WeightCase]:
 
 def _ggml_type_name(gguf_name: str) -> str:
     """gguf's enum name (Q4_K, F16, BF16, IQ4_NL) -> ggml's type name (q4_K, f16, bf16, iq4_nl)."""
-    from ..runtime.ggml_ops import type_code
-
     base = gguf_name.lower()
     name = base[:-2] + "_K" if base.endswith("_k") else base
     type_code(name)  # a type this ggml does not know is a GgmlError
@@ -88,8 +88,6 @@ def audit_case(case: WeightCase, device, buft_name: str, buft, max_q: int = MAX_
                threads: int | None = None) -> dict:
     """Compute one case on one device and buffer type. Returns {"status", "native": [bool]*max_q,
     "repaired": [...], "native_max_abs": [...], "repaired_max_abs": [...]} (index q-1)."""
-    from ..runtime.ggml_ops import OpGraph, type_code
-
     x = _inputs(case.k, max_q)
     n_tensors = 8 + 6 * max_q * (max_q + 2)
     with OpGraph(max_tensors=n_tensors) as g:
@@ -136,7 +134,6 @@ def run_matmul_audit(model_path, devices=None, max_q: int = MAX_Q, max_rows: int
     """Every weight case on every device and buffer type. Returns an xarray Dataset (dims case, q)."""
     import xarray as xr
 
-    from ..runtime.ggml_ops import backend_devices, weight_buffer_types
 
     if isinstance(max_q, bool) or not isinstance(max_q, int) or not 1 <= max_q <= 16:
         raise ConfigError(f"max q must be an integer in 1..16, got {max_q!r}")
@@ -171,8 +168,6 @@ def run_matmul_audit(model_path, devices=None, max_q: int = MAX_Q, max_rows: int
          "rows": ("case", np.array([c.rows for _, _, c, _ in recs]))},
         coords={"case": np.arange(len(recs)), "q": qs},
     )
-    from ..models import model_sha256
-
     ds.attrs.update({"title": "statelab weight-product audit", "model": str(model_path),
                      "model_sha256": model_sha256(model_path), "max_q": int(max_q), "max_rows": int(max_rows),
                      "seed": SEED, "compare": "bitwise per row against a 1-row product of the same row"})

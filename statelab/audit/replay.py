@@ -27,16 +27,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
-from .capture import VIEW_OPS, parse_node_name
-from .e1 import LAYOUTS, PAIRS, STAGES, AttnCapture, _f32
+from statelab.audit.capture import VIEW_OPS, parse_node_name
+from statelab.audit.e1 import AttnCapture, LAYOUTS, PAIRS, STAGES, _diff, _f32
+from statelab.errors import ConfigError
+from statelab.runtime.ggml_ops import OpGraph, backend_devices
 
 REPLAY_OPS = ("MUL_MAT", "SOFT_MAX", "RMS_NORM", "MUL", "ADD")
 
 
 def _device(device):
-    from ..runtime.ggml_ops import backend_devices
-
     if hasattr(device, "handle"):  # already resolved: no device enumeration (memory queries) per replay
         return device
     devs = backend_devices()
@@ -63,8 +62,6 @@ def _canonical(layout: str, outs: dict, q: int) -> dict:
 
 def replay_attention(cap: AttnCapture, layout: str, device=None, threads: int | None = None) -> dict:
     """Re-run a captured attention layer's operands as `layout`; outputs in native order."""
-    from ..runtime.ggml_ops import OpGraph
-
     if layout not in LAYOUTS:
         raise ConfigError(f"unknown layout {layout!r}; use MQ, PQ, QB")
     dev = _device(device)
@@ -117,7 +114,6 @@ def replay_e1(detail: dict, layouts=LAYOUTS, device=None, threads: int | None = 
     pairwise comparisons of the replayed layouts."""
     import xarray as xr
 
-    from .e1 import _diff
 
     runs = detail["runs"]
     keys = sorted({(ph, q) for (ph, q, lo) in runs if lo == "MQ"}, key=lambda k: (k[0] != "prefill", k[1]))
@@ -231,8 +227,6 @@ def _overlaps(a: tuple, b: tuple) -> bool:
 
 def replay_node(node, device=None, threads: int | None = None, src_override: dict | None = None) -> np.ndarray:
     """Re-run one captured operator call from its captured operands; returns its output."""
-    from ..runtime.ggml_ops import OpGraph
-
     if node.op not in REPLAY_OPS:
         raise ConfigError(f"operator {node.op} is not replayed (supported: {', '.join(REPLAY_OPS)})")
     dev = _device(device)

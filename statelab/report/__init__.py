@@ -10,10 +10,16 @@ from pathlib import Path
 
 import xarray as xr
 
-from ..analysis import kv_profile_dataset
-from ..errors import StatelabError
-from . import figures
-from .page import FIGURES, PNG_MAGIC, Page, markdown_html, referenced_images, write_file
+from statelab.analysis.classes import kv_profile_dataset
+from statelab.analysis.frontier import load_results
+from statelab.errors import StatelabError
+from statelab.experiments.frontier_panels import frontier_rows
+from statelab.experiments.matrix.results import load_dataset
+from statelab.experiments.matrix.store import StudyDir
+from statelab.kvstate import compare
+from statelab.lab.archive import load_capture
+from statelab.report import figures
+from statelab.report.page import FIGURES, PNG_MAGIC, Page, markdown_html, referenced_images, write_file
 
 __all__ = ["ReportError", "Page", "FIGURES", "PNG_MAGIC", "markdown_html", "referenced_images", "figures",
            "study_page", "frontier_page", "campaign_page", "demo_page", "diff_plot", "capture_profiles"]
@@ -30,16 +36,11 @@ def _read_md(folder: Path) -> str:
 
 def capture_profiles(pairs: dict[str, tuple]) -> dict[str, xr.Dataset]:
     """label -> (capture a, capture b) to label -> per-layer K/V difference Dataset."""
-    from ..kvstate import compare
-
     return {label: kv_profile_dataset(compare(a.state, b.state).records()) for label, (a, b) in pairs.items()}
 
 
 def _study_capture_pairs(out: Path, norm: dict) -> dict[str, tuple]:
     """The natural A/R (first two arms) captures of each prompt of a study folder, verified."""
-    from ..archive import load_capture
-    from ..study.store import StudyDir
-
     sdir = StudyDir(out)
     arms = list(norm["arms"])[:2]
     pairs = {}
@@ -68,8 +69,6 @@ def _add_profiles(page: Page, profiles: dict[str, xr.Dataset]) -> None:
 def study_page(out, ds: xr.Dataset | None = None, markdown: str | None = None) -> Path:
     """OUT/report.html of a study folder: class-matrix heatmap, the per-layer K/V profile
     of the natural arms' captures, then report.md."""
-    from ..study.results import load_dataset
-
     out = Path(out)
     ds = _results(out, ds, load_dataset, "study report")
     page = Page(f"Study {ds.attrs.get('study', out.name)}",
@@ -79,8 +78,6 @@ def study_page(out, ds: xr.Dataset | None = None, markdown: str | None = None) -
     page.add("class-matrix", figures.class_matrix(ds),
              "Endpoint class of every subset cross: rows are selectors, columns prompt x direction x repeat "
              "(B reproduces the donor, C a third trajectory, D keeps the recipient; w/f/p: withheld, failed, pending).")
-    from ..study.store import StudyDir
-
     _add_profiles(page, capture_profiles(_study_capture_pairs(out, StudyDir(out).read_spec()["normalized"])))
     return page.write(out)
 
@@ -93,9 +90,6 @@ def _components(ds: xr.Dataset) -> dict:
 def frontier_page(out, ds: xr.Dataset | None = None) -> Path:
     """OUT/report.html of a frontier run folder: the contrasts at every t*, then report.md
     (whose score plots in plots/ it shows in place)."""
-    from ..frontier import load_results
-    from ..frontier_run import frontier_rows
-
     out = Path(out)
     ds = _results(out, ds, load_results, "frontier analyse")
     page = Page(f"Frontier panels: {ds.attrs.get('spec_name', out.name)}",
@@ -122,8 +116,6 @@ def campaign_page(out, rows: list[dict], threshold: float | None = None) -> Path
 def demo_page(out, partition: xr.Dataset | None, matrix: xr.Dataset | None, frontier: xr.Dataset | None) -> Path:
     """OUT/report.html of ``statelab demo``: natural trajectories' margins, the per-layer K/V
     profile of each prompt's arms, the selector-matrix heatmap, frontier contrasts, report.md."""
-    from ..frontier_run import frontier_rows
-
     out = Path(out)
     page = Page("statelab demo", markdown=_read_md(out))
     if partition is not None:

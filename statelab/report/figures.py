@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import xarray as xr
 
-from ..analysis import CLASSES
+from statelab.analysis.classes import CLASSES
 
 #: colours of the endpoint classes (B reproduces the donor, C a third trajectory, D keeps the recipient)
 CLASS_COLOURS = {"B": "#2b6cb0", "C": "#dd6b20", "D": "#cbd5e0", "": "#ffffff"}
@@ -155,7 +155,7 @@ def margin_trajectories(ds: xr.Dataset, title: str = "") -> bytes:
 def frontier_contrasts(rows: Sequence[dict], components: dict | None = None, title: str = "") -> bytes:
     """One line per panel repeat with a frontier: the four arms' fixed-pair scores at t*
     (EMPTY, C1, C2, BOTH) and the additive prediction; the gap between BOTH and the
-    additive marker is the interaction I.  ``rows``: ``frontier_run.frontier_rows``;
+    additive marker is the interaction I.  ``rows``: ``experiments.frontier_panels.frontier_rows``;
     ``components``: panel -> its (C1, C2) selector names, shown in the row labels."""
     rows = [r for r in rows if r.get("t_star", -1) >= 0 and "scores" in r]
     if not rows:

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..paths import atomic_path
+from statelab.paths import atomic_path
 
 FIGURES = "figures"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -8,12 +8,12 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from ..errors import ConfigError, DecodeError, ModelError
-from ..kvstate import KV_TYPE_NAMES, is_quantised
-from ..limits import check_threads, check_tokens
-from ..models import ModelInfo, read_model_info, resolve_model
-from .closing import Closing
-from .native import BACKENDS, devices_for_backend, llama, prepare_backend
+from statelab.errors import ConfigError, DecodeError, ModelError
+from statelab.kvstate import KV_TYPE_NAMES, is_quantised
+from statelab.limits import check_threads, check_tokens
+from statelab.models import ModelInfo, read_model_info, resolve_model
+from statelab.runtime.closing import Closing
+from statelab.runtime.native import BACKENDS, build_identity, devices_for_backend, ggml_lib, llama, prepare_backend
 
 KV_TYPES = dict(KV_TYPE_NAMES)  # f32, f16, bf16, q8_0 -> ggml type
 
@@ -193,8 +193,6 @@ def tensor_info(ptr: int) -> _GGMLTensor:
 
 def read_tensor(ptr: int) -> CapturedTensor:
     """Copy a graph tensor's data to host (any backend) as a strided numpy view of its span."""
-    from .native import ggml_lib
-
     g = ggml_lib()
     t = tensor_info(ptr)
     nbytes = g.ggml_nbytes(ptr)
@@ -418,8 +416,6 @@ class Context(Closing):
 
 
 def context_identity(model: Model, config: ContextConfig) -> dict:
-    from .native import build_identity
-
     b = build_identity()
     return {
         "model_sha256": model.sha256, "model_path": str(model.path), "backend": config.backend,

@@ -27,10 +27,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..errors import ConfigError, StatelabError
-from .closing import Closing
-from .context import CapturedTensor, TensorCapture, read_tensor, tensor_info
-from .native import ggml_lib, list_devices
+from statelab.errors import ConfigError, StatelabError
+from statelab.runtime.closing import Closing
+from statelab.runtime.context import CapturedTensor, TensorCapture, read_tensor, tensor_info
+from statelab.runtime.native import ggml_lib, list_devices
 
 GGML_TYPE_F32 = 0
 GGML_TYPE_F16 = 1

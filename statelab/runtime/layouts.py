@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from enum import Enum
 
-from ..errors import StatelabError
+from statelab.errors import StatelabError
+from statelab.runtime.native import lib
 
 ABI_VERSION = 1
 LAYOUTS = {"MQ": 0, "PQ": 1, "QB": 2}
@@ -39,6 +41,61 @@ REPAIR_SUFFIX = "+W"
 # every layout family: attention layout, weight products row by row
 FAMILIES = {**{k: (k, False) for k in LAYOUTS}, **{k + REPAIR_SUFFIX: (k, True) for k in LAYOUTS}}
 MAX_QUERIES_LIMIT = 16  # LLAMA_STATELAB_MAX_QUERIES_LIMIT
+
+
+class Layout(str, Enum):
+    """Every layout name statelab knows, with its properties (the one place they are declared).
+
+    MQ/PQ/QB are the attention layouts of the patched library; "+W" adds the row-by-row
+    weight products (patch 0003); GS (global serialisation, one target row per physical
+    micrograph) is a scheduling of native MQ graphs done by the speculative runner, not a
+    library layout.
+    """
+    MQ = "MQ"
+    PQ = "PQ"
+    QB = "QB"
+    GS = "GS"
+    MQ_W = "MQ+W"
+    PQ_W = "PQ+W"
+    QB_W = "QB+W"
+
+    @property
+    def attention(self) -> str:
+        """The attention layout the library builds: MQ, PQ or QB (GS runs native MQ graphs)."""
+        return "MQ" if self is Layout.GS else self.value.removesuffix(REPAIR_SUFFIX)
+
+    @property
+    def repair(self) -> bool:
+        """Row-by-row weight products (patch 0003)."""
+        return self.value.endswith(REPAIR_SUFFIX)
+
+    @property
+    def needs_patch(self) -> bool:
+        """Set on the context through the patched library (PQ, QB, every +W); MQ and GS run
+        on an unpatched llama.cpp."""
+        return self.attention != "MQ" or self.repair
+
+    def device_must_admit(self, backend: str) -> bool:
+        """Whether a run on ``backend`` must first ask the device (ggml supports_op) to run
+        this layout's products where the scheduler put them: the CPU runs every layout, a
+        GPU backend may reject the views (Vulkan rejects QB's matrix product, paper S6.3)."""
+        return backend != "cpu" and self.needs_patch
+
+    @classmethod
+    def parse(cls, name: str, allowed: "tuple[Layout, ...] | None" = None) -> "Layout":
+        """A layout by name, optionally restricted to ``allowed``; LayoutError names the valid ones."""
+        valid = allowed or tuple(cls)
+        try:
+            lay = cls(str(name).strip().upper())
+        except ValueError:
+            lay = None
+        if lay not in valid:
+            raise LayoutError(f"unknown layout {name!r}; choose one of {', '.join(x.value for x in valid)}")
+        return lay
+
+
+ATTENTION_LAYOUTS = (Layout.MQ.value, Layout.PQ.value, Layout.QB.value)  # = LAYOUTS' keys, in code order
+FAMILY_LAYOUTS = (Layout.MQ, Layout.PQ, Layout.QB, Layout.MQ_W, Layout.PQ_W, Layout.QB_W)  # library families
 
 _vp, _i32, _u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint64
 _SIGNATURES = {
@@ -90,7 +147,6 @@ class Admission:
 
 
 def _lib():
-    from .native import lib
     return lib()
 
 

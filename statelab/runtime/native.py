@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..errors import ConfigError, NativeBuildError
+from statelab.errors import ConfigError, NativeBuildError
 
 BACKENDS = ("cpu", "cuda", "vulkan")
 IDENTITY_FILE = "statelab_build.json"
@@ -174,3 +174,16 @@ def build_identity() -> dict:
         ident["lib_override"] = os.environ["LLAMA_CPP_LIB_PATH"]
     ident["system_info"] = mod.llama_print_system_info().decode(errors="replace").strip()
     return ident
+
+
+def preload() -> None:
+    """Import llama_cpp and its ggml binding (the shared libraries load) WITHOUT initialising
+    a backend: what a fork server may do before it forks (CUDA and Vulkan do not survive
+    fork; each child initialises its backend itself through :func:`llama`)."""
+    try:
+        importlib.import_module("llama_cpp")
+        importlib.import_module("llama_cpp._ggml")
+    except ImportError as e:
+        raise NativeBuildError(f"the native build (llama_cpp) is not installed: {e}; {INSTALL_HINT}") from None
+    except (OSError, RuntimeError) as e:
+        raise NativeBuildError(f"the native library failed to load: {e}; {INSTALL_HINT}") from None

@@ -4,7 +4,7 @@
 slot save and restore use) and ``llama_state_save_file`` / ``llama_state_load_file``
 (whole context) on a :class:`~statelab.runtime.context.Context`, and the construction of
 a ``llama_cpp.LlamaState``.  The file formats themselves are read and written in pure
-Python by :mod:`statelab.interop`; this module is how statelab asks the pinned library
+Python by :mod:`statelab.lab.interop`; this module is how statelab asks the pinned library
 whether it accepts them.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 
 import numpy as np
 
-from ..errors import DecodeError
-from .native import llama
+from statelab.errors import DecodeError
+from statelab.runtime.native import llama
 
 
 def _tokens_arg(tokens):

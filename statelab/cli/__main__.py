@@ -1,0 +1,4 @@
+"""``python -m statelab.cli``."""
+from statelab.cli.main import main
+
+main()

@@ -1,0 +1,1 @@
+"""The experiment engine: fresh processes per unit (fork server), executors."""

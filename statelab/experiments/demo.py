@@ -1,0 +1,174 @@
+"""`statelab demo`: the main job on the embedded default.
+
+Partition study: on CPU the arms A (whole prompt, ubatch 512) and R (token by token);
+on CUDA and Vulkan A, B and C.  Natural endpoints, own-path shams, whole-KV crosses both
+ways, summarised as a table and written to a Markdown report.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from statelab import prompts as prompts_mod
+from statelab.analysis.frontier import load_results
+from statelab.experiments.frontier_panels import frontier_section as section
+from statelab.experiments.matrix.progress import RichReporter
+from statelab.experiments.matrix.results import load_dataset
+from statelab.experiments.matrix.runner import run_study
+from statelab.experiments.matrix.spec import spec_from_data
+from statelab.experiments.partition import partition_dataset, study_prompt
+from statelab.lab.formation import PRESETS
+from statelab.lab.receiver import check_cap
+from statelab.paths import atomic_write_netcdf, atomic_write_text
+from statelab.report import demo_page
+from statelab.runtime import ContextConfig, Model, prepare_backend
+
+
+def default_tasks(backend: str) -> str:
+    """Prompts whose natural endpoints differ between the backend's arms (measured: docs/findings.md)."""
+    return "HumanEval/0,HumanEval/2,HumanEval/10" if backend == "cpu" else "HumanEval/10,HumanEval/20,HumanEval/86"
+
+
+def default_matrix_tasks(backend: str) -> list[str]:
+    """One prompt longer than 128 tokens (PREFIX and TAIL differ) and one shorter; on CPU both have A/R
+    natural endpoints that differ within 48 outputs (HumanEval/20 at 18, HumanEval/2 at 26)."""
+    return ["HumanEval/20", "HumanEval/2"] if backend == "cpu" else ["HumanEval/10", "HumanEval/86"]
+
+
+SELECTOR_MATRIX = ["EMPTY", "ALL", "L0_K", "L0_V", "L0", "K_ALL", "V_ALL", "EARLY", "MIDDLE", "LATE", "PREFIX",
+                   "TAIL"]
+
+
+def matrix_spec_data(model_path, backend: str, arms: dict, tasks: list[str], cap: int, threads: int) -> dict:
+    """The demo's selector-matrix study spec as data (what a study TOML file would hold):
+    the first two arms, both directions, 2 repeats, the 12 selectors."""
+    names = list(arms)[:2]
+    data = {"name": f"demo-selector-matrix-{backend}", "backend": backend, "threads": threads, "cap": cap,
+            "repeats": 2, "prompts": list(tasks), "selectors": list(SELECTOR_MATRIX),
+            "directions": [f"{names[0]}->{names[1]}", f"{names[1]}->{names[0]}"],
+            "arms": {n: arms[n].name for n in names}}
+    if model_path is not None:
+        data["model"] = str(Path(model_path).resolve())
+    return data
+
+
+def selector_matrix(console, model_path, backend: str, arms: dict, tasks: list[str], cap: int, threads: int,
+                    out: Path) -> tuple[str, list[str]]:
+    """The 12-selector matrix in both directions with 2 repeats (a study run: fresh worker
+    processes, resumable).  Returns the report section and the prompts where some subset
+    cross reproduced the donor (class B): the inputs the frontier panels look at."""
+    import xarray as xr
+
+
+    workers = 2
+    # ggml's threads spin-wait: never give the workers together more threads than there are cores
+    threads = threads or max(1, (os.cpu_count() or workers) // workers)
+    data = matrix_spec_data(model_path, backend, arms, tasks, cap, threads)
+    spec = spec_from_data(data, Path(out).with_suffix(".toml"))  # stands for a spec file beside the folder
+    summary = run_study(None, out, executor="local", workers=workers, reporter=RichReporter(console), spec=spec)
+    ds = xr.load_dataset(summary.results)
+    effects = [str(t) for t in ds["task"].values if (ds["klass"].sel(task=t) == "B").any()]
+    report = Path(summary.report).read_text()
+    console.print(f"selector matrix: {summary.ran} cells run ({summary.skipped} resumed), report {summary.report}; "
+                  f"donor effects (class B) on: {', '.join(effects) or 'none'}")
+    return "## Selector matrix\n\n" + report.split("\n", 1)[1], effects
+
+
+def arms_for(backend: str) -> dict:
+    names = ("A", "R") if backend == "cpu" else ("A", "B", "C")
+    return {n: PRESETS[n] for n in names}
+
+
+def _cell(v) -> str:
+    """A study row's value as shown in the console table and the report ("=": no difference)."""
+    return "=" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+
+
+def markdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)\n"
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def frontier_section(model, base, prompts, cap: int = 48, console=None, directions=None,
+                     results_path: Path | None = None) -> str:
+    """The L0 and POSITION frontier panels of ``prompts`` (Prompt objects or prompt specs) as a
+    Markdown section: for the inputs where the selector matrix found donor effects.  Runs in
+    this process (one repeat per direction, cap ~48) with the arms that differ on the backend;
+    the contrasts' Dataset is also saved to ``results_path`` when given."""
+    ps = [prompts_mod.resolve(p) if isinstance(p, str) else p for p in prompts]
+    say = (lambda msg: console.print(msg, markup=False, highlight=False)) if console is not None else (lambda msg: None)
+    return section(model, base, ps, cap, arms=arms_for(base.backend), directions=directions, say=say,
+                   results_path=results_path)
+
+
+def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: int, out: Path,
+        frontier_tasks: list[str] | None = None, frontier_cap: int = 48, matrix: bool = True,
+        matrix_tasks: list[str] | None = None, matrix_cap: int = 48):
+    check_cap(cap)
+    prepare_backend(backend)
+    ps = [prompts_mod.resolve(t.strip()) for t in tasks if t.strip()]
+    arms = arms_for(backend)
+    model = Model(model_path, backend=backend)
+    base = ContextConfig(backend=backend, n_threads=threads)
+    n_steps = len(ps) * (2 * len(arms) + 2 * (len(arms) - 1))
+    rows, results, t0 = [], [], time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=console, transient=True) as prog:
+        task = prog.add_task(f"partition study ({', '.join(arms)})", total=n_steps)
+        for p in ps:
+            res = study_prompt(model, p, arms, base, cap, progress=lambda: prog.advance(task), trace=True)
+            rows += res.rows()
+            results.append(res)
+    t = Table(title=f"partition study on {backend}: arms {', '.join(arms)}, cap {cap} "
+                    f"({time.perf_counter() - t0:.0f} s)")
+    for col in rows[0] if rows else []:
+        t.add_column(col)
+    for r in rows:
+        t.add_row(*[_cell(v) for v in r.values()])
+    console.print(t)
+    console.print("first_diff: first differing output index of the natural endpoints ('=' equal); "
+                  "cross classes: B reproduces the donor, C third trajectory, D keeps the recipient.")
+    report = (f"# statelab demo ({backend})\n\nmodel: {model.info.name} ({model.sha256[:16]})\n\n"
+              f"## Partition study (arms {', '.join(arms)}, cap {cap})\n\n" + markdown_table(rows))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    partition = partition_dataset(results, backend, cap) if results else None
+    if partition is not None:
+        atomic_write_netcdf(out / "partition.nc", partition)
+    matrix_ds = frontier_ds = None
+    if matrix:
+        section, effects = selector_matrix(console, model_path, backend, arms, matrix_tasks or default_matrix_tasks(backend),
+                                           matrix_cap, threads, out / "selector-matrix")
+        report += "\n" + section
+        matrix_ds = load_dataset(out / "selector-matrix" / "results.nc")
+        if frontier_tasks is None:
+            frontier_tasks = effects
+    if frontier_tasks:
+        report += "\n" + frontier_section(model, base, frontier_tasks, frontier_cap, console,
+                                          results_path=out / "frontier.nc")
+        frontier_ds = load_results(out / "frontier.nc")
+    atomic_write_text(out / "report.md", report)
+    html = demo_page(out, partition, matrix_ds, frontier_ds)
+    console.print(f"report: {out / 'report.md'}, {html}")
+    return rows
+
+
+def failed_controls(rows: list[dict], out: Path) -> list[str]:
+    """The demo's controls that failed: partition-study shams, and selector-matrix cells withheld
+    because a prompt's controls failed (empty: all passed)."""
+    bad = [f"{r['prompt']} {r['pair']}: sham differs from the natural endpoint" for r in rows
+           if r.get("shams_ok") is False]
+    results = Path(out) / "selector-matrix" / "results.nc"
+    if results.is_file():
+        n = int((load_dataset(results).status.values == "withheld").sum())
+        if n:
+            bad.append(f"selector matrix: {n} cells withheld after failed controls")
+    return bad

@@ -1,0 +1,193 @@
+"""Where the units of an experiment run.  Every executor runs each unit (a study cell, a
+frontier unit, a campaign block) in a FRESH process whose llama.cpp context has decoded
+nothing else, so results do not depend on the executor:
+
+  local            (default) a pre-imported fork server (:mod:`.forkserver`) forks one child
+                   per unit, N at a time; the child loads the model itself.  With one worker
+                   and a ``stop`` test it is the serial mode of timed campaigns: one unit at
+                   a time, in order, in the calling thread
+  local-spawn      a pool of N threads in the runner, each starting one new interpreter per
+                   unit (``python -m statelab.experiments.worker``): the interpreter start
+                   and the imports are paid per unit
+  dask-local       a ``distributed.LocalCluster`` of N worker processes (one thread each);
+                   each Dask task starts the unit's new interpreter on its worker
+  dask://HOST:PORT a ``distributed.Client`` to a running scheduler; the workers must see the
+                   output folder (captures) at the same path and have statelab installed
+
+A kind says how its units run with a :class:`Unit`: the function (``module:function``, a
+task dict in, a JSON-able dict out), the record of a unit whose process gave none, and the
+environment its processes need.  The runner receives results one by one, in completion
+order, on its own thread.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+
+from statelab.errors import ConfigError
+from statelab.experiments.forkserver import ForkServer
+from statelab.experiments.worker import MARKER
+
+EXECUTORS = ("local", "local-spawn", "dask-local")
+_DASK_ADDR = re.compile(r"^dask://(?P<host>[^:/\s]+):(?P<port>\d{1,5})$")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """How one kind's tasks run in fresh processes."""
+    fn: str  # "module:function", importable in the fork server and in a new interpreter
+    failed: Callable[[dict, str], dict]  # the record of a task whose process gave no result
+    env: dict = field(default_factory=dict)  # variables the unit's process needs (STATELAB_THREADS...)
+
+
+def check_executor(executor: str, workers: int, error: type[Exception] = ConfigError) -> str:
+    if not isinstance(workers, int) or workers < 1:
+        raise error(f"--workers must be a positive integer, got {workers!r}")
+    if executor in EXECUTORS:
+        return executor
+    m = _DASK_ADDR.match(executor or "")
+    if m and 0 < int(m.group("port")) < 65536:
+        return executor
+    raise error(f"unknown executor {executor!r}: use {', '.join(EXECUTORS)} or dask://HOST:PORT")
+
+
+def _address(executor: str) -> str:
+    m = _DASK_ADDR.match(executor)
+    return f"tcp://{m.group('host')}:{m.group('port')}"
+
+
+def probe_executor(executor: str, error: type[Exception] = ConfigError) -> None:
+    """Fail early (before any model work) when a Dask scheduler cannot be reached."""
+    if not executor.startswith("dask://"):
+        return
+    from distributed import Client  # optional and heavy: only the Dask executors need it
+
+    try:
+        Client(_address(executor), timeout="10s").close()
+    except OSError as e:
+        raise error(f"cannot reach the Dask scheduler at {executor}: {e}") from None
+
+
+def _timed(rec: dict, **timing) -> dict:
+    rec.setdefault("timing", {}).update(timing)
+    return rec
+
+
+def run_spawned(unit: Unit, task: dict, timeout: float | None = None) -> dict:
+    """Run one unit in a new Python process and return its result (never raises)."""
+    t0 = time.perf_counter()
+    env = {**os.environ, **unit.env}
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "statelab.experiments.worker"],
+                              input=json.dumps({"fn": unit.fn, "task": task}), capture_output=True, text=True,
+                              env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return unit.failed(task, f"the unit's process ran past {timeout} s and was killed")
+    except OSError as e:
+        return unit.failed(task, f"cannot start the unit's process: {e}")
+    rec = None
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARKER):
+            try:
+                rec = json.loads(line[len(MARKER):])
+            except ValueError:
+                rec = None
+    if rec is None:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        return unit.failed(task, f"the unit's process exited with status {proc.returncode} without a result: {tail}")
+    return _timed(rec, subprocess_s=time.perf_counter() - t0)
+
+
+def run_forked(server: ForkServer, unit: Unit, task: dict, timeout: float | None = None) -> dict:
+    """Run one unit in a child forked from the fork server; its result (never raises)."""
+    rec, info = server.run(unit.fn, task, env=unit.env, timeout=timeout)
+    if rec is None:
+        return unit.failed(task, info.error)
+    return _timed(rec, fork_s=info.fork_s, process_s=info.run_s, subprocess_s=info.wall_s)
+
+
+def _run_pool(run_one: Callable[[dict], dict], tasks: list[dict], workers: int,
+              on_result: Callable[[dict], None]) -> None:
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="statelab-unit") as pool:
+        futs = [pool.submit(run_one, t) for t in tasks]
+        try:
+            for f in as_completed(futs):
+                on_result(f.result())
+        except BaseException:
+            for f in futs:
+                f.cancel()
+            raise
+
+
+def _run_dask(unit: Unit, tasks: list[dict], workers: int, on_result: Callable[[dict], None], address: str | None,
+              error: type[Exception]) -> dict:
+    from distributed import Client, LocalCluster  # optional and heavy: only the Dask executors need it
+    from distributed import as_completed as dask_completed
+
+    t0 = time.perf_counter()
+    cluster = None
+    if address is None:
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
+                               silence_logs=logging.CRITICAL)
+        client = Client(cluster)
+    else:
+        try:
+            client = Client(address, timeout="20s")
+        except OSError as e:
+            raise error(f"cannot reach the Dask scheduler at {address}: {e}") from None
+    t1 = time.perf_counter()
+    try:
+        futs = {client.submit(run_spawned, unit, t, key=f"statelab-unit-{i}-{time.time_ns()}", pure=False): t
+                for i, t in enumerate(tasks)}
+        for f in dask_completed(list(futs)):
+            try:
+                rec = f.result()
+            except Exception as e:  # the Dask task itself failed (worker lost...)
+                rec = unit.failed(futs[f], f"dask task failed: {type(e).__name__}: {e}")
+            on_result(rec)
+        t2 = time.perf_counter()
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+    return {"startup_s": t1 - t0, "shutdown_s": time.perf_counter() - t2}
+
+
+def execute(tasks: Iterable[dict], unit: Unit, executor: str, workers: int, on_result: Callable[[dict], None],
+            stop: Callable[[], bool] | None = None, error: type[Exception] = ConfigError) -> dict:
+    """Run the tasks; returns the executor's own overhead: {"startup_s", "shutdown_s"}.
+
+    ``stop`` (serial mode: local executor, one worker) is asked before every task but the
+    first; True ends the run there (every run makes progress)."""
+    tasks = list(tasks)
+    executor = check_executor(executor, workers, error)
+    if stop is not None and (executor != "local" or workers != 1):
+        raise error("a stop test needs the serial mode: the local executor with one worker")
+    if not tasks:
+        return {"startup_s": 0.0, "shutdown_s": 0.0}
+    if executor == "local":
+        t0 = time.perf_counter()
+        with ForkServer() as server:
+            t1 = time.perf_counter()
+            if stop is not None:
+                for i, t in enumerate(tasks):
+                    if i and stop():
+                        break
+                    on_result(run_forked(server, unit, t))
+            else:
+                _run_pool(lambda t: run_forked(server, unit, t), tasks, workers, on_result)
+            t2 = time.perf_counter()
+        return {"startup_s": t1 - t0, "shutdown_s": time.perf_counter() - t2}
+    if executor == "local-spawn":
+        _run_pool(lambda t: run_spawned(unit, t), tasks, workers, on_result)
+        return {"startup_s": 0.0, "shutdown_s": 0.0}
+    return _run_dask(unit, tasks, workers, on_result, None if executor == "dask-local" else _address(executor), error)

@@ -1,0 +1,137 @@
+"""Partition studies: natural endpoints of several schedules, shams, whole-KV crosses,
+and partition sweeps with equivalence classes (paper 6.1, S4)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from statelab.analysis.classes import endpoint_class, first_difference, kv_profile_dataset, trajectory_classes
+from statelab.analysis.frontier import _top_two
+from statelab.kvstate import compare
+from statelab.lab.formation import Schedule
+from statelab.lab.intervene import cross, natural, sham
+from statelab.lab.receiver import DEFAULT_CAP
+
+
+@dataclass
+class PromptResult:
+    prompt_id: str
+    n_prompt: int
+    captures: dict = field(default_factory=dict)  # arm -> Capture
+    natural: dict = field(default_factory=dict)  # arm -> Endpoint
+    sham: dict = field(default_factory=dict)  # arm -> Endpoint
+    crosses: dict = field(default_factory=dict)  # (donor, recipient) -> (Endpoint, ImportAccount)
+    margins: dict = field(default_factory=dict)  # arm -> top-1 margin per output (with trace=True)
+
+    @property
+    def controls_pass(self) -> bool:
+        return all(self.sham[a].same(self.natural[a]) for a in self.sham)
+
+    def rows(self) -> list[dict]:
+        """One summary row per arm pair (first arm as reference)."""
+        arms = list(self.natural)
+        ref = arms[0]
+        out = []
+        for arm in arms[1:]:
+            d = compare(self.captures[ref].state, self.captures[arm].state)
+            row = {
+                "prompt": self.prompt_id, "n_prompt": self.n_prompt, "pair": f"{ref}/{arm}",
+                "logits_equal": self.captures[ref].logits.tobytes() == self.captures[arm].logits.tobytes(),
+                "kv_equal": d.identical, "kv_max_abs": d.max_abs, "kv_l2_rel": d.l2_rel,
+                "first_diff": first_difference(self.natural[ref].tokens, self.natural[arm].tokens),
+                "shams_ok": self.controls_pass,
+            }
+            for (donor, recip), (ep, _acc) in self.crosses.items():
+                if {donor, recip} == {ref, arm}:
+                    row[f"cross {donor}->{recip}"] = cross_label(ep, self.natural[donor], self.natural[recip])
+            out.append(row)
+        return out
+
+
+def cross_label(result, donor, recipient) -> str:
+    return endpoint_class(result.tokens, donor.tokens, recipient.tokens)
+
+
+def study_prompt(model, prompt, arms: dict[str, Schedule], base, cap: int = DEFAULT_CAP, crosses: bool = True,
+                 progress=None, trace: bool = False) -> PromptResult:
+    """Natural endpoints of every arm, own-path shams, and whole-KV crosses both ways
+    between the first arm and each other arm (only when the shams pass).  With ``trace``
+    the natural continuations keep each output's top-1 margin (the logits are dropped)."""
+    res = PromptResult(prompt.id, 0)
+    for name, sched in arms.items():
+        cap_, ep = natural(model, prompt, sched, base, cap, trace=trace)
+        if trace:
+            res.margins[name] = _top_two(ep.trace)[2]
+            ep.trace = None
+        res.captures[name], res.natural[name] = cap_, ep
+        res.n_prompt = cap_.n_prompt
+        if progress:
+            progress()
+    for name in arms:
+        res.sham[name] = sham(model, res.captures[name], cap)
+        if progress:
+            progress()
+    if crosses and res.controls_pass:
+        names = list(arms)
+        for other in names[1:]:
+            for donor, recip in ((names[0], other), (other, names[0])):
+                res.crosses[(donor, recip)] = cross(model, res.captures[donor], res.captures[recip], cap=cap)
+                if progress:
+                    progress()
+    return res
+
+
+def sweep(model, prompt, schedules: list[Schedule], base, cap: int = DEFAULT_CAP, progress=None) -> dict:
+    """Every schedule's endpoint, first difference from the first schedule, and equivalence
+    classes of identical endpoints and of identical states (KV + logits)."""
+    rows, endpoints, states = [], {}, {}
+    ref = None
+    for s in schedules:
+        capture, ep = natural(model, prompt, s, base, cap)
+        h = capture.hashes()
+        endpoints[s.name] = (ep.tokens, ep.eog)
+        states[s.name] = h["kv"] + h["logits"]  # a string: compared as itself
+        if ref is None:
+            ref = ep
+        rows.append({"schedule": s.name, "describe": s.describe(), "n_prompt": capture.n_prompt,
+                     "kv_sha256": h["kv"][:16], "logits_sha256": h["logits"][:16], "length": ep.length,
+                     "first_diff": first_difference(ref.tokens, ep.tokens), "stop": ep.stop_reason})
+        if progress:
+            progress()
+    return {"prompt": prompt.id, "rows": rows, "endpoint_classes": trajectory_classes(endpoints),
+            "state_classes": trajectory_classes(states)}
+
+
+def partition_dataset(results: list[PromptResult], backend: str, cap: int):
+    """The natural arms of a partition study as an xarray Dataset: ``margin`` and ``token``
+    (task, arm, output; NaN / -1 past an endpoint), ``first_diff`` of the first two arms
+    (task; -1 equal), and the per-layer K/V differences of their states (task, layer,
+    component): ``changed_bytes``, ``max_abs``, ``l2``, ``l2_rel``.  Needs ``trace=True``."""
+    import numpy as np
+    import xarray as xr
+
+
+    arms = list(results[0].natural)
+    n_out = max(len(ep.tokens) for r in results for ep in r.natural.values())
+    margin = np.full((len(results), len(arms), n_out), np.nan)
+    token = np.full((len(results), len(arms), n_out), -1, np.int32)
+    first = np.full(len(results), -1, np.int64)
+    profiles = []
+    for i, r in enumerate(results):
+        if set(r.margins) != set(arms):
+            raise ValueError("partition_dataset needs study_prompt(..., trace=True) results")
+        for j, a in enumerate(arms):
+            margin[i, j, :len(r.margins[a])] = r.margins[a]
+            token[i, j, :len(r.natural[a].tokens)] = r.natural[a].tokens
+        fd = first_difference(r.natural[arms[0]].tokens, r.natural[arms[1]].tokens) if len(arms) > 1 else None
+        first[i] = -1 if fd is None else fd
+        other = arms[1] if len(arms) > 1 else arms[0]
+        profiles.append(kv_profile_dataset(compare(r.captures[arms[0]].state, r.captures[other].state).records()))
+    tasks = [r.prompt_id for r in results]
+    ds = xr.Dataset({"margin": (("task", "arm", "output"), margin, {"description": "top-1 minus top-2 logit"}),
+                     "token": (("task", "arm", "output"), token),
+                     "first_diff": (("task",), first, {"description": "first differing output of the first two "
+                                                       "arms' natural endpoints (-1 equal)"})},
+                    coords={"task": tasks, "arm": arms, "output": np.arange(n_out)})
+    ds = ds.merge(xr.concat(profiles, dim="task").assign_coords(task=tasks))
+    ds.attrs.update(backend=backend, cap=int(cap), pair=f"{arms[0]}/{arms[1] if len(arms) > 1 else arms[0]}")
+    return ds

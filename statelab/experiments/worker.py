@@ -1,0 +1,28 @@
+"""A unit in a new interpreter: ``python -m statelab.experiments.worker`` reads
+``{"fn": "module:function", "task": {...}}`` (JSON) on stdin and prints one result line
+``STATELAB_UNIT <json>`` on stdout.  The unit's function turns every failure it can name
+into its own failed result; a crash leaves no result line and the caller records it.
+(The fork server runs the same functions in forked children.)"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from statelab.experiments.forkserver import resolve
+
+MARKER = "STATELAB_UNIT "
+
+
+def main() -> int:
+    t0 = time.perf_counter()
+    req = json.loads(sys.stdin.read())
+    rec = resolve(req["fn"])(req["task"])
+    rec.setdefault("timing", {})["process_s"] = time.perf_counter() - t0
+    sys.stdout.write(MARKER + json.dumps(rec) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,496 @@
+"""Interop with the llama.cpp ecosystem: llama.cpp state files and llama-cpp-python states.
+
+File formats of the pinned llama.cpp (``src/llama-context.cpp``; all integers little-endian):
+
+sequence-state file (``llama_state_seq_save_file``; llama-server's ``/slots/{id}?action=save``)::
+
+    u32 magic 'ggsq' (0x67677371)   u32 version 3   u32 n_token_count
+    i32 tokens[n_token_count]
+    the memory part of the sequence (``memory->state_write(io, seq_id)``)
+
+whole-context file (``llama_state_save_file``)::
+
+    u32 magic 'ggsn' (0x6767736e)   u32 version 10  u32 n_token_count
+    i32 tokens[n_token_count]
+    u32 arch_len, arch_len bytes    the model architecture (llm_arch_name)
+    the memory part of the whole context (``memory->state_write(io, -1)``)
+
+The whole-context stream after the tokens is exactly what ``llama_state_get_data`` returns
+(``Llama.save_state().llama_state``).  Neither holds logits.  A statelab capture's KV blob is
+``llama_state_seq_get_data``'s output: ``u32 0xaf143cd8, i32 seq_id`` and then the same
+memory part, so conversion only adds or removes that 8-byte header; an import rewrites
+the cells' sequence ids to 0 (llama-server saves slot N as sequence N).
+
+Imports are verified before anything is written: header, token count against the cells,
+positions, the tokens against the model's vocabulary (and the prompt when given), the
+architecture (whole-context files), the KV geometry against the model, and finally the
+real library must take the state and read it back byte for byte.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from statelab.errors import IdentityError, StatelabError
+from statelab.kvstate import KVFormatError, KVState, SEQ_STATE_MAGIC
+from statelab.lab.formation import Capture, REST, Schedule
+from statelab.models import read_model_info
+from statelab.paths import atomic_write_bytes
+from statelab.runtime import Context, context_identity
+from statelab.runtime.context import KV_TYPES
+from statelab.runtime.statefile import make_llama_state
+
+SEQ_FILE_MAGIC = 0x67677371  # 'ggsq' LLAMA_STATE_SEQ_MAGIC
+SEQ_FILE_VERSION = 3  # LLAMA_STATE_SEQ_VERSION
+WHOLE_FILE_MAGIC = 0x6767736E  # 'ggsn' LLAMA_SESSION_MAGIC
+WHOLE_FILE_VERSION = 10  # LLAMA_SESSION_VERSION
+KINDS = {"seq": (SEQ_FILE_MAGIC, SEQ_FILE_VERSION), "whole": (WHOLE_FILE_MAGIC, WHOLE_FILE_VERSION)}
+_HEADER = struct.Struct("<III")
+_MAX_ARCH = 256
+LLAMA_TOKEN_NULL = -1
+SERVER_TOKENS_VERSION = 1  # SERVER_TOKENS_STATE_VERSION of tools/server/server-common.cpp
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+
+
+class InteropError(StatelabError):
+    """A llama.cpp state file or llama-cpp-python state that cannot be imported or exported."""
+
+
+@dataclass(frozen=True)
+class StateFile:
+    """A llama.cpp state file, split into its parts (nothing interpreted yet but the header)."""
+
+    kind: str  # "seq" or "whole"
+    version: int
+    tokens: np.ndarray  # int32
+    memory: bytes  # the memory part (what memory->state_write writes)
+    arch: str | None  # whole-context files only
+    source: str  # file name or a description
+    sha256: str  # of the whole file
+    token_packing: str = "plain"  # or llama-server's packed token list
+
+    @property
+    def format(self) -> str:
+        name = "llama_state_seq_save_file" if self.kind == "seq" else "llama_state_save_file"
+        return f"{name} v{self.version}"
+
+
+def _u32(data: bytes, off: int, what: str, source: str) -> int:
+    if off + 4 > len(data):
+        raise InteropError(f"{source}: truncated file: {what} needs 4 bytes at offset {off}, the file has {len(data)}")
+    return struct.unpack_from("<I", data, off)[0]
+
+
+def parse_state_file(data: bytes, source: str = "state file") -> StateFile:
+    """Split the bytes of a llama.cpp state file (either kind); refuse anything else with one line."""
+    if len(data) < _HEADER.size:
+        raise InteropError(f"{source}: {len(data)} bytes is too short for a llama.cpp state file "
+                           f"(magic, version and token count take {_HEADER.size})")
+    magic, version, n_tok = _HEADER.unpack_from(data, 0)
+    kind = next((k for k, (m, _v) in KINDS.items() if m == magic), None)
+    if kind is None:
+        what = {b"GGUF": "a GGUF model file", b"\x93NUM": "a numpy file"}.get(data[:4], "a foreign file")
+        raise InteropError(f"{source}: magic 0x{magic:08x} ({data[:4]!r}) is not a llama.cpp state file "
+                           f"('ggsq' 0x{SEQ_FILE_MAGIC:08x} or 'ggsn' 0x{WHOLE_FILE_MAGIC:08x}); it looks like {what}")
+    want = KINDS[kind][1]
+    if version != want:
+        raise InteropError(f"{source}: {kind} state file version {version}, the pinned llama.cpp reads version {want} "
+                           "(re-save it with a matching llama.cpp)")
+    off = _HEADER.size
+    if n_tok * 4 > len(data) - off:
+        raise InteropError(f"{source}: token count {n_tok} needs {n_tok * 4} bytes but only {len(data) - off} follow "
+                           "the header (truncated file or a wrong count)")
+    tokens = np.frombuffer(data, dtype="<i4", count=n_tok, offset=off).astype(np.int32)
+    packing = "plain"
+    if n_tok and tokens[0] == LLAMA_TOKEN_NULL:
+        tokens, packing = unpack_server_tokens(tokens, source), f"llama-server packed v{SERVER_TOKENS_VERSION}"
+    off += 4 * n_tok
+    arch = None
+    if kind == "whole":
+        arch, off = _read_arch(data, off, source)
+    if off == len(data):
+        raise InteropError(f"{source}: the file ends after the tokens: no state follows (truncated file)")
+    return StateFile(kind, version, tokens, bytes(data[off:]), arch, source, hashlib.sha256(data).hexdigest(),
+                     packing)
+
+
+def unpack_server_tokens(words: np.ndarray, source: str) -> np.ndarray:
+    """The tokens of llama-server's packed list (``server_tokens::serialize``): i32 -1, u32 version,
+    u32 n and n tokens, u32 n_media and media start indices, media chunks, zero padding."""
+    w = np.asarray(words, dtype="<i4").view("<u4")
+
+    def bad(why: str):
+        return InteropError(f"{source}: llama-server token list: {why}")
+
+    if len(w) < 3:
+        raise bad("truncated header")
+    if w[1] != SERVER_TOKENS_VERSION:
+        raise bad(f"version {int(w[1])}, the pinned llama-server writes {SERVER_TOKENS_VERSION}")
+    n = int(w[2])
+    if 3 + n + 1 > len(w):
+        raise bad(f"{n} tokens do not fit its {len(w)} words")
+    n_media = int(w[3 + n])
+    if n_media:
+        raise bad(f"it holds {n_media} media chunk(s) (a multimodal prompt); only text slots can be imported")
+    if np.any(w[4 + n:]):
+        raise bad(f"{len(w) - 4 - n} words of trailing data")
+    return w[3:3 + n].view("<i4").astype(np.int32)
+
+
+def _read_arch(data: bytes, off: int, source: str) -> tuple[str, int]:
+    n = _u32(data, off, "architecture name length", source)
+    off += 4
+    if n == 0 or n > _MAX_ARCH or off + n > len(data):
+        raise InteropError(f"{source}: architecture name of {n} bytes at offset {off - 4} does not fit "
+                           "(truncated or not a whole-context state)")
+    try:
+        arch = data[off:off + n].decode("ascii")
+    except UnicodeDecodeError:
+        raise InteropError(f"{source}: the architecture name at offset {off} is not ASCII") from None
+    return arch, off + n
+
+
+def read_state_file(path: str | os.PathLike) -> StateFile:
+    p = Path(path)
+    if not p.is_file():
+        raise InteropError(f"state file not found (or not a file): {p}")
+    return parse_state_file(p.read_bytes(), str(p))
+
+
+def whole_stream(blob: bytes, arch: str) -> bytes:
+    """The whole-context stream (``llama_state_get_data``) of a single-sequence capture blob."""
+    return encode_state_file("whole", [], blob, arch)[_HEADER.size:]
+
+
+def split_whole_stream(data: bytes, source: str) -> tuple[str, bytes]:
+    """(architecture, memory part) of a ``llama_state_get_data`` stream."""
+    arch, off = _read_arch(data, 0, source)
+    if off == len(data):
+        raise InteropError(f"{source}: the state stream ends after the architecture name")
+    return arch, bytes(data[off:])
+
+
+def _memory_part(blob: bytes, n_stream: int = 1) -> bytes:
+    """The capture blob without its sequence header; with ``n_stream`` > 1 as a cache of that
+    many streams whose first holds the cells."""
+    st = KVState.parse(blob)  # a capture's blob is checked before it is handed on
+    if st.seq_id != 0:
+        raise InteropError(f"the capture's state is for sequence {st.seq_id}, expected 0")
+    if n_stream == 1:
+        return bytes(blob[8:])
+    if len(st.part_list) != 1:
+        raise InteropError("a state of several caches (iSWA) is written with one stream only")
+    return struct.pack("<I", n_stream) + blob[12:] + bytes(4 * (n_stream - 1))
+
+
+def encode_state_file(kind: str, tokens, blob: bytes, arch: str | None = None, n_stream: int = 1) -> bytes:
+    """The bytes of a llama.cpp state file holding ``tokens`` and a capture's sequence-0 blob.
+    ``n_stream``: the KV streams of the receiving context (a non-unified cache has one per
+    sequence, and llama.cpp restores only a file with as many); the cells go in the first."""
+    if kind not in KINDS:
+        raise InteropError(f"unknown state file kind {kind!r}: use 'seq' (llama_state_seq_save_file, llama-server "
+                           "slots) or 'whole' (llama_state_save_file)")
+    if not 1 <= int(n_stream) <= 256:
+        raise InteropError(f"n_stream must be 1..256, got {n_stream}")
+    toks = np.ascontiguousarray(tokens, dtype="<i4")
+    magic, version = KINDS[kind]
+    head = _HEADER.pack(magic, version, len(toks)) + toks.tobytes()
+    memory = _memory_part(blob, int(n_stream))
+    if kind == "whole":
+        if not arch:
+            raise InteropError("a whole-context state file records the model architecture: give the model")
+        a = arch.encode("ascii")
+        return head + struct.pack("<I", len(a)) + a + memory
+    return head + memory
+
+
+# --------------------------------------------------------------------------- import
+
+
+def single_stream(memory: bytes, source: str) -> tuple[bytes, int, int]:
+    """A memory part of a cache with several streams (a non-unified KV cache: one stream per
+    sequence) whose cells all lie in one stream, as a single-stream memory part.
+    Returns (memory, n_stream, index of the non-empty stream)."""
+    n_stream = _u32(memory, 0, "n_stream", source)
+    if n_stream <= 1:
+        return memory, n_stream, 0
+    off = 4
+    for s in range(n_stream):
+        if _u32(memory, off, f"cell count of stream {s}", source):
+            tail = memory[len(memory) - 4 * (n_stream - 1 - s):]
+            if len(tail) != 4 * (n_stream - 1 - s) or any(tail):
+                raise InteropError(f"{source}: the state's cells lie in more than one of its {n_stream} KV streams; "
+                                   "import a file of one sequence")
+            return struct.pack("<I", 1) + memory[off:len(memory) - len(tail)], n_stream, s
+        off += 4
+    return struct.pack("<II", 1, 0), n_stream, 0
+
+
+def sequence_zero_state(memory: bytes, source: str) -> KVState:
+    """Parse a memory part as one sequence and rewrite its cells to sequence 0 (a capture's form)."""
+    memory = single_stream(memory, source)[0]
+    try:
+        st = KVState.parse(struct.pack("<Ii", SEQ_STATE_MAGIC, -1) + memory)
+    except KVFormatError as e:
+        raise InteropError(f"{source}: the state does not parse: {e}") from None
+    seqs = [p.seq_ids for p in st.part_list if len(p.seq_ids)]  # every cache part (iSWA: two)
+    counts = np.concatenate([np.fromiter((len(x) for x in s), dtype=np.int64, count=len(s)) for s in seqs]) \
+        if seqs else np.zeros(0, np.int64)
+    ids = np.concatenate([np.concatenate(s) for s in seqs]) if seqs else np.zeros(0, np.int32)
+    if np.any(counts != 1) or np.unique(ids).size > 1:
+        raise InteropError(f"{source}: the state holds the cells of sequences {sorted(set(ids.tolist()))} "
+                           f"(shared cells: {int(np.count_nonzero(counts != 1))}); save one sequence with "
+                           "llama_state_seq_save_file and import that")
+    out = st.copy()
+    out.seq_id = 0
+    out.seq_ids = tuple(np.zeros((st.n_cells, 1), dtype=np.int32))
+    if out.parts:
+        out.parts = [replace(p, seq_ids=tuple(np.zeros((p.n_cells, 1), dtype=np.int32))) for p in out.parts]
+    return out
+
+
+def _kv_type_name(t: int) -> str:
+    names = {v: k for k, v in KV_TYPES.items()}
+    if t not in names:
+        raise InteropError(f"KV type {t} has no context setting here (supported: {', '.join(KV_TYPES)})")
+    return names[t]
+
+
+def check_tokens(tokens: np.ndarray, model, source: str, arch: str | None = None) -> None:
+    """What the file says before its state is read: the architecture and the tokens' vocabulary."""
+    info = model.info
+    if arch is not None and arch != info.architecture:
+        raise IdentityError(f"{source}: saved by a {arch!r} model, this model is {info.architecture!r}")
+    if len(tokens) == 0:
+        raise InteropError(f"{source}: the file lists no tokens (an empty state)")
+    out = np.flatnonzero((tokens < 0) | (tokens >= model.n_vocab))
+    if out.size:
+        raise IdentityError(f"{source}: token {int(tokens[out[0]])} at index {int(out[0])} is outside this model's "
+                            f"vocabulary of {model.n_vocab} ({out.size} such tokens): saved with another model's "
+                            "vocabulary")
+
+
+def check_against_model(tokens: np.ndarray, st: KVState, model, source: str) -> None:
+    """The parsed state's cells and geometry against the file's tokens and the model."""
+    info = model.info
+    n = len(tokens)
+    if n != st.n_cells:
+        raise InteropError(f"{source}: the file lists {n} tokens but its state holds {st.n_cells} cells")
+    if not np.array_equal(st.positions, np.arange(n, dtype=np.int32)):
+        bad = int(np.flatnonzero(st.positions != np.arange(n))[0])
+        raise InteropError(f"{source}: cell {bad} holds position {int(st.positions[bad])}, expected {bad} "
+                           "(cells must hold positions 0..n-1, one per token)")
+    if st.n_layer != info.n_layer:
+        raise IdentityError(f"{source}: the state has {st.n_layer} layers, the model has {info.n_layer}: "
+                            "saved with another model")
+    widths = (set(st.n_embd_k_gqa), set(st.n_embd_v_gqa))
+    if widths != ({info.n_embd_k_gqa}, {info.n_embd_v_gqa}):
+        raise IdentityError(f"{source}: K/V widths {sorted(widths[0])}/{sorted(widths[1])} differ from the model's "
+                            f"{info.n_embd_k_gqa}/{info.n_embd_v_gqa}: saved with another model")
+
+
+def check_prompt_tokens(model, prompt, tokens: np.ndarray, source: str) -> int:
+    """The file's tokens must be the prompt as the model tokenizes it, possibly followed by more
+    (a server slot saved after a completion holds the generated tokens too): how many follow."""
+    want = model.tokenize(prompt.text)
+    n = min(len(want), len(tokens))
+    diff = np.flatnonzero(want[:n] != tokens[:n])
+    if not diff.size and len(tokens) >= len(want):
+        return len(tokens) - len(want)
+    at = int(diff[0]) if diff.size else n
+    raise IdentityError(f"{source}: its tokens are not {prompt.id} as this model tokenizes it: first difference at "
+                        f"token {at} ({len(tokens)} tokens in the file, {len(want)} from the prompt)")
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """A state from outside statelab, split into tokens and a memory part, and where it came from."""
+
+    tokens: np.ndarray
+    memory: bytes
+    arch: str | None
+    source: str
+    origin: dict  # format, file name, sha256 ...
+    logits: np.ndarray | None = None  # logits the source itself carries (LlamaState scores)
+
+
+LOGITS_MODES = ("none", "recompute", "state")
+
+
+def recompute_last_logits(ctx, tokens: np.ndarray) -> np.ndarray:
+    """With the state restored in ``ctx``: drop the last cell and decode the last token alone
+    at its position (a one-row decode over the imported cells 0..n-2); its FP32 logits."""
+    n = len(tokens)
+    if not ctx.seq_rm(0, n - 1, -1):
+        raise InteropError("the recipient could not remove the last cell to re-evaluate it")
+    ctx.decode(tokens[n - 1:], n - 1)
+    return ctx.logits(-1)
+
+
+def _source_logits(inc: Incoming, logits: str, n_vocab: int) -> np.ndarray | None:
+    """The logits the capture takes without a recipient ('state', 'none'); None for 'recompute'."""
+    if logits not in LOGITS_MODES:
+        raise InteropError(f"logits must be one of {', '.join(LOGITS_MODES)}, got {logits!r}")
+    if logits == "none":
+        return np.full(n_vocab, np.nan, dtype=np.float32)
+    if logits == "recompute":
+        return None
+    lg = None if inc.logits is None else np.asarray(inc.logits, dtype=np.float32)
+    # a Llama made without logits_all=True never writes its scores: the row is uninitialised memory,
+    # all zeros in practice, which no model's logits are
+    if lg is None or lg.shape != (n_vocab,) or not np.all(np.isfinite(lg)) or np.ptp(lg) == 0:
+        raise InteropError(f"{inc.source}: the source carries no usable logits (a file holds none; a Llama made "
+                           "without logits_all=True keeps none): use logits='recompute' or 'none'")
+    return lg
+
+
+def _recipient_config(st: KVState, config, n: int, source: str):
+    """The recipient context: the caller's configuration with the state's KV types and room for it."""
+    kt, vt = {int(t) for t in st.k_types}, {int(t) for t in st.v_types}
+    if len(kt) != 1 or len(vt) != 1:
+        raise InteropError(f"{source}: layers store different KV types; a context has one K and one V type")
+    return config.with_(type_k=_kv_type_name(kt.pop()), type_v=_kv_type_name(vt.pop()), n_ctx=max(config.n_ctx, n + 1))
+
+
+def restore_in_recipient(model, config, blob: bytes, tokens: np.ndarray, source: str, recompute: bool):
+    """The real library takes the state and reads it back byte for byte; with ``recompute`` the
+    last token's logits are re-evaluated there (:func:`recompute_last_logits`)."""
+    n = len(tokens)
+    with Context(model, config) as ctx:
+        ctx.state_set(blob)
+        if ctx.state_get() != blob:
+            raise InteropError(f"{source}: the state read back from llama.cpp differs from the imported one")
+        if ctx.seq_pos_max(0) != n - 1:
+            raise InteropError(f"{source}: restored state ends at position {ctx.seq_pos_max(0)}, expected {n - 1}")
+        return recompute_last_logits(ctx, tokens) if recompute else None
+
+
+_LOGITS_HOW = {
+    "none": {"source": "absent", "note": "the file holds no logits; import again with logits recomputed to continue"},
+    "recompute": {"source": "recomputed", "how": "the imported cells 0..n-2 restored in a fresh recipient context "
+                  "(see 'recipient'), the last token decoded alone at position n-1 (one-row decode)"},
+    "state": {"source": "carried by the source state (the last row of its scores)"},
+}
+_UNKNOWN = ["backend", "device", "build", "schedule (prompt submissions and ubatch)", "context parameters"]
+
+
+def imported_identity(inc: Incoming, model, config, prompt, logits: str, source_backend: str | None) -> dict:
+    """Identities of an imported capture: what the file says, what was checked, the rest unknown."""
+    recipient = context_identity(model, config)
+    checked = "tokens within the vocabulary, KV geometry" + (", architecture" if inc.arch else "") + \
+        (", prompt tokenization" if prompt is not None else "") + "; the file records no model hash"
+    return dict(recipient, origin="imported", backend=source_backend or "unknown", device="unknown",
+                build_key="unknown", build_backend="unknown", sdist_sha256="unknown", patch_series_sha256="unknown",
+                unknown=_UNKNOWN if not source_backend else _UNKNOWN[1:], model_checked=checked,
+                imported=dict(inc.origin, n_tokens=len(inc.tokens)), logits=_LOGITS_HOW[logits],
+                recipient={k: recipient[k] for k in ("backend", "device", "build_key", "context")})
+
+
+def import_incoming(inc: Incoming, model, config, *, prompt=None, logits: str = "none",
+                    source_backend: str | None = None) -> Capture:
+    """A verified capture from an incoming state (see the module docstring for the checks)."""
+    lg = _source_logits(inc, logits, model.n_vocab)
+    tokens = inc.tokens
+    check_tokens(tokens, model, inc.source, inc.arch)
+    st = sequence_zero_state(inc.memory, inc.source)
+    check_against_model(tokens, st, model, inc.source)
+    after = check_prompt_tokens(model, prompt, tokens, inc.source) if prompt is not None else None
+    config = _recipient_config(st, config, len(tokens), inc.source)
+    blob = st.to_bytes()
+    recomputed = restore_in_recipient(model, config, blob, tokens, inc.source, lg is None)
+    identity = imported_identity(inc, model, config, prompt, logits, source_backend)
+    if after is not None:
+        identity["imported"]["tokens_after_prompt"] = after
+    if prompt is not None:
+        pid, psha = prompt.id, prompt.sha256
+    else:
+        pid = f"imported:{Path(inc.source).name}"
+        psha = hashlib.sha256(model.detokenize(tokens).encode()).hexdigest()
+    sched = Schedule("Imported", (REST,), config.n_ubatch, config.n_batch)  # capitalised: rich keeps "[Imported]"
+    return Capture(pid, psha, tokens, recomputed if lg is None else lg, blob, sched, identity,
+                   {"origin": "imported", "prompt_text": "given" if prompt is not None else "unknown (detokenized)"})
+
+
+def incoming_from_file(sf: StateFile) -> Incoming:
+    return Incoming(sf.tokens, sf.memory, sf.arch, sf.source,
+                    {"format": sf.format, "file": Path(sf.source).name, "sha256": sf.sha256,
+                     "tokens": sf.token_packing, "n_stream": single_stream(sf.memory, sf.source)[1]})
+
+
+def import_state_file(path, model, config, **kw) -> Capture:
+    """``statelab import-state``: a llama.cpp state file (either kind) as a verified capture."""
+    return import_incoming(incoming_from_file(read_state_file(path)), model, config, **kw)
+
+
+# --------------------------------------------------------------------------- export
+
+
+def model_arch(capture: Capture, model_path=None) -> str:
+    """The architecture of the capture's model (read from its GGUF header; the hash must match)."""
+    path = model_path or capture.identity.get("model_path")
+    if not path:
+        raise InteropError("the capture does not name its model file: give the model")
+    info = read_model_info(path)
+    if info.sha256 != capture.identity.get("model_sha256"):
+        raise IdentityError(f"model {path} is not the capture's model ({str(capture.identity.get('model_sha256'))[:12]}…)")
+    return info.architecture
+
+
+def export_state_file(capture: Capture, path, kind: str = "seq", model_path=None, overwrite: bool = False,
+                      n_stream: int = 1) -> Path:
+    """``statelab export-state``: write a capture as a llama.cpp state file (atomically)."""
+    p = Path(path)
+    if p.exists() and not (overwrite and p.is_file()):
+        raise InteropError(f"output already exists: {p}" + ("" if p.is_file() else " (not a file)"))
+    arch = model_arch(capture, model_path) if kind == "whole" else None
+    data = encode_state_file(kind, capture.tokens, capture.blob, arch, n_stream)
+    return atomic_write_bytes(p, data)
+
+
+# --------------------------------------------------------------------------- llama-cpp-python
+
+
+def incoming_from_llama_state(state, source: str = "LlamaState") -> Incoming:
+    """A ``llama_cpp.LlamaState`` (``Llama.save_state()``) as an incoming state."""
+    try:
+        n = int(state.n_tokens)
+        data = bytes(state.llama_state)[: int(state.llama_state_size)]
+        tokens = np.asarray(state.input_ids, dtype=np.int32)[:n].copy()
+        scores = np.asarray(state.scores)
+    except (AttributeError, TypeError, ValueError) as e:
+        raise InteropError(f"{source}: not a llama_cpp.LlamaState ({e})") from None
+    if len(tokens) != n:
+        raise InteropError(f"{source}: n_tokens {n} but only {len(tokens)} input ids")
+    arch, memory = split_whole_stream(data, source)
+    last = scores[n - 1] if scores.ndim == 2 and scores.shape[0] >= n and n else None
+    return Incoming(tokens, memory, arch, source,
+                    {"format": "llama_cpp.LlamaState (llama_state_get_data)", "sha256": hashlib.sha256(data).hexdigest(),
+                     "seed": int(state.seed)}, last)
+
+
+def capture_from_llama_state(state, model, config, **kw) -> Capture:
+    """A verified capture from a ``llama_cpp.LlamaState``; ``logits='state'`` takes the last row of
+    its scores (only meaningful for a ``Llama(logits_all=True)``), ``'recompute'`` re-evaluates."""
+    return import_incoming(incoming_from_llama_state(state), model, config, **kw)
+
+
+def capture_to_llama_state(capture: Capture, n_ctx: int, score_rows: int | None = None, model_path=None,
+                           seed: int = LLAMA_DEFAULT_SEED):
+    """A ``llama_cpp.LlamaState`` that ``Llama.load_state`` restores (a Llama with context ``n_ctx``;
+    ``score_rows``: how many rows its scores hold, n_ctx with logits_all else n_batch)."""
+    n = capture.n_prompt
+    if n >= n_ctx:
+        raise InteropError(f"the capture has {n} tokens; a Llama with n_ctx={n_ctx} cannot continue from it")
+    input_ids = np.zeros(n_ctx, dtype=np.intc)
+    input_ids[:n] = capture.tokens
+    rows = n if score_rows is None else min(n, int(score_rows))
+    scores = np.zeros((rows, len(capture.logits)), dtype=np.single)
+    if np.all(np.isfinite(capture.logits)):
+        scores[-1] = capture.logits
+    data = whole_stream(capture.blob, model_arch(capture, model_path))
+    return make_llama_state(input_ids, scores, n, data, seed)

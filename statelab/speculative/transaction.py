@@ -1,0 +1,645 @@
+"""The reference-preserving speculative path (paper sections 2.2, 3, 4.2, 5, S1).
+
+Arms
+  R      reference: target only, physical ubatch 1 everywhere
+  M0     target only, batched ubatch U, native multi-query attention (MQ)
+  M_x    target only, ubatch U, layout x in {QB, PQ, GS} under the phase mask
+  C_x    draft + target, layout x under the phase mask (C0: draft + target, MQ)
+Layouts QB and PQ are attention layouts of the patched library (native/patches/0002);
+QB+W and PQ+W add row-count-invariant weight products (native/patches/0003): in the phases
+the mask selects, every weight product of 1 < n <= max queries rows is computed as n 1-row
+products, so the arm needs no row-invariant weight kernels (K-quant models on CPU);
+GS serialises target rows: each row is its own decode call, so every physical micrograph
+holds one row through the whole model.
+
+Phase mask bits: target prefill 1, target continuation 2, draft prefill 4, draft
+continuation 8 (mask 3 = both target phases, the paper's choice).  A scoped guard sets
+the layout from the current role and phase before every decode and restores it after.
+
+The transaction: a drafter proposes up to k tokens from the committed history; the
+target evaluates the pending token and the proposals in one call of up to k+1 rows (the
+target ubatch and the largest query count QB/PQ admit follow k, so one verify is one
+micrograph); acceptance by greedy match, correction or bonus; rejected positions are
+removed from the target's cache and the drafter's; the pending token is consumed (decoded
+into KV) exactly once.
+
+Drafters: a draft model (`self`, `derive:N`, a GGUF path) with its own context, or the
+model-free n-gram drafter `ngram[:NMIN-NMAX]` (prompt lookup over prompt + output).  k can
+adapt within [1, k_max] from the last cycle's acceptance.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from statelab.analysis.classes import first_difference
+from statelab.errors import ConfigError, DecodeError, IdentityError
+from statelab.lab.receiver import Endpoint, check_cap
+from statelab.limits import check_threads, check_tokens, int_list
+from statelab.models import resolve_model
+from statelab.runtime import Context, ContextConfig, layouts
+from statelab.runtime.layouts import Layout
+from statelab.speculative.derive import same_vocabulary
+
+# the layouts an arm may name (runtime.layouts.Layout holds their properties)
+SPEC_LAYOUTS = (Layout.MQ, Layout.PQ, Layout.QB, Layout.GS, Layout.PQ_W, Layout.QB_W)
+LAYOUT_NAMES = tuple(x.value for x in SPEC_LAYOUTS)
+TARGET_PREFILL, TARGET_CONT, DRAFT_PREFILL, DRAFT_CONT = 1, 2, 4, 8
+PHASE_BITS = {("target", "prefill"): TARGET_PREFILL, ("target", "continuation"): TARGET_CONT,
+              ("draft", "prefill"): DRAFT_PREFILL, ("draft", "continuation"): DRAFT_CONT}
+ARM_RE = re.compile(r"^(R|M0|C0|[MC]_(QB|PQ|GS|QB\+W|PQ\+W))$")
+
+
+def check_mask(mask: int) -> int:
+    if not isinstance(mask, (int, np.integer)) or not 0 <= int(mask) <= 15:
+        raise ConfigError(f"phase mask must be an integer in 0..15, got {mask!r}")
+    return int(mask)
+
+
+def parse_masks(text: str) -> list[int]:
+    """``"0-15"`` (a range) or ``"1,3,7"`` -> the phase masks, each checked."""
+    text = str(text)
+    if "-" in text:
+        try:
+            lo, hi = (int(x) for x in text.split("-"))
+        except ValueError:
+            raise ConfigError(f"--masks must be a range like 0-15 or a comma list, got {text!r}") from None
+        masks = list(range(lo, hi + 1))
+    else:
+        masks = int_list(text, "--masks")
+    return [check_mask(m) for m in masks]
+
+
+def check_layout(name: str) -> str:
+    if name not in LAYOUT_NAMES:
+        raise ConfigError(f"unknown layout {name!r}; choose one of {', '.join(LAYOUT_NAMES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    layout: str  # MQ, PQ, QB, GS
+    draft: bool
+    reference: bool = False
+
+    @classmethod
+    def parse(cls, name: str) -> "Arm":
+        if not ARM_RE.match(name):
+            raise ConfigError(f"unknown arm {name!r}; use R, M0, C0, M_QB, M_PQ, M_GS, C_QB, C_PQ, C_GS, "
+                              "M_QB+W, M_PQ+W, C_QB+W, C_PQ+W")
+        if name == "R":
+            return cls("R", "MQ", False, True)
+        if name in ("M0", "C0"):
+            return cls(name, "MQ", name == "C0")
+        return cls(name, check_layout(name[2:]), name[0] == "C")
+
+
+@dataclass
+class Counters:
+    proposals: int = 0
+    accepted: int = 0
+    rollbacks: int = 0
+    cycles: int = 0
+    target_callers: int = 0
+    target_micrographs: int = 0
+    draft_callers: int = 0
+    layout_not_admitted: int = 0
+    verify_calls: int = 0  # continuation calls of the target (cycles; one per token for target-only arms)
+    verify_rows: int = 0  # rows submitted by those calls (padding included)
+    committed: int = 0  # output tokens committed by the continuation (the first comes from the prefill)
+    graph_builds: int = 0  # target graphs built / reused by llama.cpp during the continuation
+    graph_reuses: int = 0  # (-1 when the layout patch, which counts them, is absent)
+    # seconds of the continuation (t_cycle) and where they went; the rest is Python around them
+    t_cycle: float = 0.0
+    t_draft: float = 0.0
+    t_verify: float = 0.0  # target decode calls of the verify
+    t_sample: float = 0.0  # greedy choices of the verify rows
+    t_rollback: float = 0.0  # cache removal (target and drafter) and the drafter's bookkeeping
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def counts(self) -> dict:
+        """The counts alone (no times): equal for two arms that took the same steps."""
+        return {k: v for k, v in asdict(self).items() if not k.startswith("t_")}
+
+
+def _remove_after(ctx, pos: int) -> None:
+    """Roll a context's cache back to the positions before ``pos`` (a rejected verify's rows)."""
+    if not ctx.seq_rm(0, pos, -1):
+        raise DecodeError(f"the KV memory refused to remove positions >= {pos}: a recurrent or hybrid memory "
+                          "cannot roll back a speculative verify")
+
+
+class PhaseGuard:
+    """Process-fixed phase mask; sets the context's layout for one decode and restores it."""
+
+    def __init__(self, layout: str, mask: int = 3):
+        self.layout = check_layout(layout)
+        self.mask = check_mask(mask)
+        self.phase = {"target": "prefill", "draft": "prefill"}
+
+    def new_request(self) -> None:
+        self.phase = {"target": "prefill", "draft": "prefill"}
+
+    def active(self, role: str) -> str:
+        """The layout a decode of `role` in its current phase runs with."""
+        return self.layout if self.mask & PHASE_BITS[(role, self.phase[role])] else "MQ"
+
+    @contextlib.contextmanager
+    def scope(self, ctx, role: str):
+        want = self.active(role)
+        if Layout(want).needs_patch:
+            prev = layouts.get_layout(ctx)
+            layouts.set_layout(ctx, want)
+            try:
+                yield want
+            finally:
+                layouts.set_layout(ctx, prev)
+        else:
+            yield want
+
+
+# -- drafters ------------------------------------------------------------------------
+
+class Drafter:
+    """Proposes up to k tokens that would follow the committed history.
+
+    The history is the prompt followed by every committed output token; its last token is
+    the pending one (committed, not yet in the target's KV).  `settle` hears how many of the
+    proposals the target accepted, so a drafter with its own state can roll back."""
+
+    name = "?"
+
+    def start(self, prompt_tokens: np.ndarray) -> None:
+        """A new request: the prompt is about to be prefilled."""
+
+    def propose(self, history: np.ndarray, k: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def settle(self, n_past: int, props: np.ndarray, accepted: int) -> None:
+        """After verification: `accepted` of `props` (proposed at positions n_past + 1..) were kept."""
+
+
+NGRAM_RE = re.compile(r"^ngram(?::(\d+)(?:-(\d+))?)?$")
+NGRAM_DEFAULT = (2, 4)
+
+
+def is_ngram(draft: str | None) -> bool:
+    return isinstance(draft, str) and draft.startswith("ngram")
+
+
+def parse_ngram(draft: str) -> tuple[int, int]:
+    """'ngram' -> the default range; 'ngram:N' -> (N, N); 'ngram:NMIN-NMAX'."""
+    m = NGRAM_RE.match(draft.strip())
+    if not m:
+        raise ConfigError(f"bad n-gram drafter {draft!r}; use ngram, ngram:N or ngram:NMIN-NMAX (e.g. ngram:2-4)")
+    if m.group(1) is None:
+        return NGRAM_DEFAULT
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) is not None else lo
+    if not 1 <= lo <= hi <= 64:
+        raise ConfigError(f"n-gram range {draft!r} must satisfy 1 <= NMIN <= NMAX <= 64")
+    return lo, hi
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: the tokens that followed the most recent earlier occurrence of the last
+    n tokens of the history (prompt + output so far), longest n first (NMAX down to NMIN).
+    No model and no state: a proposal is a few vectorised comparisons over the history."""
+
+    def __init__(self, nmin: int = NGRAM_DEFAULT[0], nmax: int = NGRAM_DEFAULT[1]):
+        if not 1 <= nmin <= nmax:
+            raise ConfigError(f"n-gram range needs 1 <= NMIN <= NMAX, got {nmin}-{nmax}")
+        self.nmin, self.nmax = int(nmin), int(nmax)
+        self.name = f"ngram:{self.nmin}-{self.nmax}"
+
+    def match(self, history: np.ndarray) -> tuple[int, int]:
+        """(n, j): the longest suffix length n in [NMIN, NMAX] that occurred earlier and the end
+        j of its most recent earlier occurrence (j < len - 1); (0, -1) when none did."""
+        h = history
+        last = len(h) - 1
+        if last < 1:
+            return 0, -1
+        ends = np.flatnonzero(h[:last] == h[last])  # ends of earlier occurrences of length 1
+        best = (1, int(ends[-1])) if self.nmin == 1 and len(ends) else (0, -1)
+        for n in range(2, self.nmax + 1):  # grow the match one token to the left
+            ends = ends[ends >= n - 1]
+            ends = ends[h[ends - (n - 1)] == h[last - (n - 1)]]
+            if not len(ends):
+                break
+            if n >= self.nmin:
+                best = (n, int(ends[-1]))
+        return best
+
+    def propose(self, history: np.ndarray, k: int) -> np.ndarray:
+        n, j = self.match(history)
+        if n == 0 or k < 1:
+            return history[:0]
+        return history[j + 1:j + 1 + k]
+
+
+class ModelDrafter(Drafter):
+    """A draft model (the target itself, a derived truncation or another GGUF) with its own
+    context: it consumes the pending token, then its own greedy proposals; rejected positions
+    are removed from its cache."""
+
+    def __init__(self, ctx, tx: "Transaction", name: str = "model"):
+        self.d, self.tx, self.name = ctx, tx, name
+
+    def start(self, prompt_tokens: np.ndarray) -> None:
+        tx = self.tx
+        self.d.clear()
+        with tx.guard.scope(self.d, "draft"):
+            n_batch = self.d.config.n_batch
+            for s in range(0, len(prompt_tokens), n_batch):
+                chunk = prompt_tokens[s:s + n_batch]
+                self.d.decode(chunk, s, logits="none" if s + len(chunk) < len(prompt_tokens) else None)
+                tx.c.draft_callers += 1
+        tx.guard.phase["draft"] = "continuation"
+
+    def propose(self, history: np.ndarray, k: int) -> np.ndarray:
+        tx, pos = self.tx, len(history) - 1
+        props = np.empty(k, dtype=np.int32)
+        tok = int(history[-1])
+        for i in range(k):  # consume pending, then its own proposals
+            with tx.guard.scope(self.d, "draft"):
+                self.d.decode([tok], pos + i)
+                tx.c.draft_callers += 1
+            tok = props[i] = self.d.greedy_row(-1)
+        return props
+
+    def settle(self, n_past: int, props: np.ndarray, accepted: int) -> None:
+        k = len(props)
+        if accepted < k:
+            _remove_after(self.d, n_past + accepted + 1)
+        elif k:  # all accepted: the draft has not yet consumed its last proposal
+            with self.tx.guard.scope(self.d, "draft"):
+                self.d.decode(props[-1:], n_past + k, logits="none")
+                self.tx.c.draft_callers += 1
+
+
+class AdaptiveK:
+    """Proposals per cycle: fixed at k, or, with k_max > k, grown by one after a cycle whose
+    proposals were all accepted and shrunk to (accepted + 1) after a rejection, within
+    [1, k_max]."""
+
+    def __init__(self, k: int, k_max: int | None = None):
+        self.k_max = int(k_max or k)
+        if not 1 <= k <= self.k_max:
+            raise ConfigError(f"need 1 <= k <= k_max, got k={k}, k_max={self.k_max}")
+        self.k = int(k)
+        self.adaptive = self.k_max > k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if not self.adaptive or proposed == 0:
+            return
+        if accepted == proposed:
+            if proposed >= self.k:
+                self.k = min(self.k_max, self.k + 1)
+        else:
+            self.k = max(1, min(self.k, accepted + 1))
+
+
+def _graph_counter(ctx):
+    """Start counting the graph builds and reuses of ctx; the returned function reads them."""
+    if not layouts.available():
+        return lambda: (-1, -1)
+    layouts.reset_counters(ctx)
+
+    def read() -> tuple[int, int]:
+        n = layouts.counters(ctx)
+        return n["graph_builds"], n["graph_reuses"]
+    return read
+
+
+def _micrographs(rows: int, ubatch: int) -> int:
+    return -(-rows // ubatch)
+
+
+class Transaction:
+    """One request through an arm: prefill, then continuation (speculative or not).
+
+    A speculative cycle: the drafter proposes up to k tokens from the committed history; the
+    target verifies pending + proposals in one call (GS: one call per row) with logits for
+    every row; the greedy choices of the rows are one vectorised argmax; the longest agreeing
+    prefix is accepted plus the target's own next token (correction or bonus); rejected
+    positions are removed from the target's cache (and the drafter's).  With fixed_rows the
+    verify always submits k_max + 1 rows (the unused ones repeat the last token and are
+    removed afterwards): under QB every row is computed independently of the others, so the
+    padding changes no committed logit while the graph keeps one shape and is reused."""
+
+    def __init__(self, arm: Arm, target_ctx, draft_ctx=None, k: int = 3, mask: int = 3, drafter: "Drafter | None" = None,
+                 k_max: int | None = None, fixed_rows: bool = False):
+        self.arm, self.t = arm, target_ctx
+        self.kpolicy = AdaptiveK(k, k_max)
+        self.k = self.kpolicy.k
+        self.guard = PhaseGuard(arm.layout, mask)
+        self.c = Counters()
+        if arm.draft and drafter is None:
+            if draft_ctx is None:
+                raise ConfigError(f"arm {arm.name} needs a draft model or a model-free drafter")
+            drafter = ModelDrafter(draft_ctx, self)
+        self.drafter = drafter
+        self.fixed_rows = bool(fixed_rows) and arm.layout != "GS"
+
+    # -- decode helpers --------------------------------------------------
+    def _step(self, tok: int, pos: int) -> int:
+        """Target-only continuation: one row, the native greedy sampler in place."""
+        with self.guard.scope(self.t, "target"):
+            self.t.decode([tok], pos)
+            self.c.target_callers += 1
+            self.c.target_micrographs += 1
+        return self.t.greedy_row(-1)
+
+    def _verify(self, tokens: np.ndarray, pos0: int, need: int) -> np.ndarray:
+        """Decode the verify rows under the guard; the greedy choices of the first `need` rows."""
+        rows = len(tokens)
+        self.c.verify_rows += rows
+        with self.guard.scope(self.t, "target") as layout:
+            if layout == "GS":  # global serialisation: one row per decode call
+                choices = np.empty(rows, dtype=np.int64)
+                for i in range(rows):
+                    t0 = time.perf_counter()
+                    self.t.decode(tokens[i:i + 1], pos0 + i, logits="all")
+                    self.t.synchronize()
+                    t1 = time.perf_counter()
+                    choices[i] = self.t.argmax_rows(1)[0]
+                    self.c.t_verify += t1 - t0
+                    self.c.t_sample += time.perf_counter() - t1
+                self.c.target_callers += rows
+                self.c.target_micrographs += rows
+                return choices[:need]
+            t0 = time.perf_counter()
+            self.t.decode(tokens, pos0, logits="all")
+            self.t.synchronize()  # the device's work counts as verify decode, not as sampling
+            t_dec = time.perf_counter()  # admission check and layout restore below are bookkeeping (python)
+            self.c.target_callers += 1
+            self.c.target_micrographs += _micrographs(rows, self.t.config.n_ubatch)
+            if Layout(layout).needs_patch and rows > 1:
+                if not layouts.last_admission(self.t).admitted:
+                    self.c.layout_not_admitted += 1
+        t1 = time.perf_counter()
+        choices = self.t.argmax_rows(need)
+        self.c.t_verify += t_dec - t0
+        self.c.t_sample += time.perf_counter() - t1
+        return choices
+
+    def _target_prefill(self, tokens) -> np.ndarray:
+        with self.guard.scope(self.t, "target") as layout:
+            if layout == "GS":
+                last = len(tokens) - 1
+                for i, tok in enumerate(tokens):  # logits of the last row only, as in the batched path
+                    self.t.decode([tok], i, logits=None if i == last else "none")
+                    self.c.target_callers += 1
+                    self.c.target_micrographs += 1
+            else:
+                n_batch = self.t.config.n_batch
+                for s in range(0, len(tokens), n_batch):
+                    chunk = tokens[s:s + n_batch]
+                    last = s + len(chunk) == len(tokens)
+                    self.t.decode(chunk, s, logits=None if last else "none")
+                    self.c.target_callers += 1
+                    self.c.target_micrographs += _micrographs(len(chunk), self.t.config.n_ubatch)
+        self.guard.phase["target"] = "continuation"
+        return self.t.logits(-1)
+
+    # -- the request --------------------------------------------------------
+    def run(self, prompt_tokens: np.ndarray, cap: int) -> Endpoint:
+        cap = check_cap(cap)
+        model = self.t.model
+        self.guard.new_request()
+        self.t.clear()
+        toks = np.asarray(prompt_tokens, dtype=np.int32)
+        n_past = len(toks)
+        margin = self.kpolicy.k_max + 1 if self.arm.draft else 0
+        if n_past + cap + margin > self.t.n_ctx:
+            raise ConfigError(f"prompt ({n_past}) + cap ({cap}) + verify rows ({margin}) exceed n_ctx={self.t.n_ctx}")
+        pending = self.t.greedy(self._target_prefill(toks))
+        if not self.arm.draft:
+            out = [pending]
+            t0 = time.perf_counter()
+            while not (model.is_eog(out[-1]) or len(out) >= cap):
+                pending = self._step(pending, n_past)
+                n_past += 1
+                out.append(pending)
+            self.c.t_cycle += time.perf_counter() - t0
+            self.c.committed += len(out) - 1
+            self.c.verify_calls += len(out) - 1
+            eog = model.is_eog(out[-1])
+            return Endpoint(np.asarray(out, dtype=np.int32), eog, "eog" if eog else "cap")
+        return self._speculate(toks, pending, cap)
+
+    def _speculate(self, toks: np.ndarray, pending: int, cap: int) -> Endpoint:
+        model, c, kp = self.t.model, self.c, self.kpolicy
+        kp.k = self.k  # a new request starts from the initial k
+        self.drafter.start(toks)
+        n0 = len(toks)
+        hist = np.empty(n0 + cap + kp.k_max + 1, dtype=np.int32)  # prompt + committed output
+        hist[:n0] = toks
+        hist[n0] = pending
+        L = n0 + 1  # the history's length; its last token is pending (not in the target's KV)
+        rows_fixed = kp.k_max + 1
+        verify = np.empty(rows_fixed, dtype=np.int32)
+        graphs = _graph_counter(self.t)
+        t_start = time.perf_counter()
+        while True:
+            n_out = L - n0
+            if model.is_eog(int(hist[L - 1])) or n_out >= cap:
+                break
+            n_past = L - 1
+            t0 = time.perf_counter()
+            props = self.drafter.propose(hist[:L], min(kp.k, cap - n_out))
+            p = len(props)
+            t1 = time.perf_counter()
+            c.t_draft += t1 - t0
+            verify[0] = hist[L - 1]
+            verify[1:p + 1] = props
+            rows = p + 1
+            if self.fixed_rows:
+                verify[rows:] = verify[rows - 1]
+                rows = rows_fixed
+            choices = self._verify(verify[:rows], n_past, p + 1)
+            t2 = time.perf_counter()
+            agree = props == choices[:p]
+            m = p if agree.all() else int(np.argmin(agree))
+            c.proposals += p
+            c.accepted += m
+            c.cycles += 1
+            c.verify_calls += 1
+            kp.update(p, m)
+            # the target's KV holds pending + props[:m] (+ rejected and padding rows): drop the rest
+            if rows > m + 1:
+                _remove_after(self.t, n_past + m + 1)
+            if m < p:
+                c.rollbacks += 1
+            self.drafter.settle(n_past, props, m)
+            c.t_rollback += time.perf_counter() - t2
+            new = np.append(props[:m], choices[m]).astype(np.int32)
+            eog = np.flatnonzero([model.is_eog(int(t)) for t in new]) if len(new) > 1 else ()
+            keep = min(len(new), cap - n_out, int(eog[0]) + 1 if len(eog) else len(new))
+            hist[L:L + keep] = new[:keep]
+            L += keep
+            c.committed += keep
+        c.t_cycle += time.perf_counter() - t_start
+        c.graph_builds, c.graph_reuses = graphs()
+        out = hist[n0:L].copy()
+        eog = model.is_eog(int(out[-1]))
+        return Endpoint(out, eog, "eog" if eog else "cap")
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    prompt_id: str
+    endpoint: Endpoint
+    seconds: float
+    counters: Counters
+    qualified: bool | None = None
+    first_diff: int | None = None
+    extra: dict = field(default_factory=dict)
+    prompt_sha256: str = ""
+
+    @property
+    def prompt_key(self) -> tuple[str, str]:
+        """A prompt is its id and the sha256 of its text (two files of one base name differ)."""
+        return self.prompt_id, self.prompt_sha256
+
+    def record(self) -> dict:
+        return {"arm": self.arm, "prompt": self.prompt_id, "prompt_sha256": self.prompt_sha256,
+                "seconds": self.seconds, "qualified": self.qualified,
+                "first_diff": self.first_diff, "length": self.endpoint.length, "eog": self.endpoint.eog,
+                "tokens": [int(t) for t in self.endpoint.tokens], **self.counters.as_dict(), **self.extra}
+
+
+@dataclass
+class SpecConfig:
+    k: int = 3  # proposals per cycle (the initial k when k_max > k)
+    ubatch: int = 0  # target ubatch; 0: follows k (k_max + 1, so one verify is one micrograph)
+    mask: int = 3
+    cap: int = 128
+    n_ctx: int = 1024
+    threads: int = 0
+    backend: str = "cpu"
+    max_queries: int = 0  # largest query count QB/PQ admit; 0: the target ubatch
+    k_max: int | None = None  # adaptive k within [1, k_max] (None: k fixed)
+    fixed_rows: bool = False  # verify always submits k_max + 1 rows (one graph shape, reused)
+
+    def __post_init__(self):
+        check_tokens("k", self.k)
+        if self.k_max is not None:
+            check_tokens("k_max", self.k_max)
+            if self.k_max < self.k:
+                raise ConfigError(f"k_max ({self.k_max}) must be >= k ({self.k})")
+        if self.ubatch:  # 0: follows k
+            check_tokens("the target ubatch", self.ubatch)
+        if self.max_queries:  # 0: the target ubatch
+            check_tokens("max queries", self.max_queries)
+        check_tokens("n_ctx", self.n_ctx)
+        check_threads("the thread count", self.threads)
+        check_mask(self.mask)
+        check_cap(self.cap)
+
+    @property
+    def rows(self) -> int:
+        """The most rows one verify submits."""
+        return (self.k_max or self.k) + 1
+
+    @property
+    def target_ubatch(self) -> int:
+        return self.ubatch or self.rows
+
+    @property
+    def queries(self) -> int:
+        return self.max_queries or self.target_ubatch
+
+
+def check_draft_paths(target_path, draft_path) -> None:
+    ok, why = same_vocabulary(resolve_model(target_path), resolve_model(draft_path))
+    if not ok:
+        raise IdentityError(f"the draft model does not share the target's vocabulary: {why}")
+
+
+def check_draft(target_model, draft_model) -> None:
+    check_draft_paths(target_model.path, draft_model.path)
+
+
+class Runner:
+    """Owns target and draft models and builds per-arm contexts.
+
+    draft: a model-free drafter spec (`ngram[:NMIN-NMAX]`) or None; a draft model is given
+    as draft_model instead."""
+
+    def __init__(self, target_model, draft_model=None, cfg: SpecConfig | None = None, vocab_checked: bool = False,
+                 draft: str | None = None):
+        """vocab_checked: the caller already ran check_draft_paths on these files (before loading)."""
+        self.tm, self.dm, self.cfg = target_model, draft_model, cfg or SpecConfig()
+        self.ngram = parse_ngram(draft) if is_ngram(draft) else None
+        if draft_model is not None and draft_model is not target_model and not vocab_checked:
+            check_draft(target_model, draft_model)
+
+    def contexts(self, arm: Arm):
+        c = self.cfg
+        if Layout(arm.layout).needs_patch:
+            if not layouts.available():
+                raise ConfigError(f"arm {arm.name} needs the attention-layout patch (native/patches/0002)")
+            if not 1 <= c.queries <= layouts.MAX_QUERIES_LIMIT:
+                raise ConfigError(f"arm {arm.name}: {c.queries} queries per micrograph exceed the layout limit "
+                                  f"{layouts.MAX_QUERIES_LIMIT} (lower k_max or ubatch)")
+            if Layout(arm.layout).repair and not layouts.weight_repair_available():
+                raise ConfigError(f"arm {arm.name} needs the weight-product patch "
+                                  "(native/patches/0003-row-invariant-weight-products.patch)")
+        ub = 1 if arm.reference else c.target_ubatch
+        tcfg = ContextConfig(backend=c.backend, n_ctx=c.n_ctx, n_batch=max(512, c.rows), n_ubatch=ub,
+                             n_threads=c.threads)
+        t = Context(self.tm, tcfg)
+        if Layout(arm.layout).needs_patch:
+            layouts.set_max_queries(t, c.queries)
+        d = None
+        if arm.draft and self.ngram is None:
+            if self.dm is None:
+                raise ConfigError(f"arm {arm.name} needs a drafter (--draft)")
+            dcfg = ContextConfig(backend=c.backend, n_ctx=c.n_ctx, n_batch=512, n_ubatch=1, n_threads=c.threads)
+            d = Context(self.dm, dcfg)
+        return t, d
+
+    def transaction(self, arm: Arm, t, d) -> Transaction:
+        c = self.cfg
+        drafter = NgramDrafter(*self.ngram) if arm.draft and self.ngram else None
+        return Transaction(arm, t, d, c.k, c.mask, drafter=drafter, k_max=c.k_max, fixed_rows=c.fixed_rows)
+
+    def run(self, arm_name: str, prompt, warmup: bool = False) -> ArmResult:
+        arm = Arm.parse(arm_name)
+        t, d = self.contexts(arm)
+        try:
+            tx = self.transaction(arm, t, d)
+            toks = self.tm.tokenize(prompt.text)
+            if warmup:
+                tx.run(toks, min(8, self.cfg.cap))
+                tx.c = Counters()
+            t0 = time.perf_counter()
+            ep = tx.run(toks, self.cfg.cap)
+            dt = time.perf_counter() - t0
+        finally:
+            t.close()
+            if d is not None:
+                d.close()
+        return ArmResult(arm.name, prompt.id, ep, dt, tx.c, prompt_sha256=prompt.sha256)
+
+
+def qualify(results: list[ArmResult]) -> list[ArmResult]:
+    """Mark each arm qualified when its complete endpoint equals R's on the same prompt."""
+    refs = {r.prompt_key: r for r in results if r.arm == "R"}
+    for r in results:
+        ref = refs.get(r.prompt_key)
+        if ref is None:
+            r.qualified = None
+            continue
+        r.first_diff = first_difference(ref.endpoint.tokens, r.endpoint.tokens)
+        r.qualified = r.endpoint.same(ref.endpoint)
+    return results

@@ -1,0 +1,27 @@
+"""No behaviour change: the CI study, the frontier CI panels and the CPU speculative campaign
+give the same records and reports (timings, paths, pids and hosts aside) as the golden
+files in tests/golden/, made by ``tests/golden_outputs.py`` from the code before the fork
+server and the experiment engine (commit 040dab2)."""
+import difflib
+import json
+
+import pytest
+
+from golden_outputs import GOLDEN, STUDIES, normalise, run
+
+pytestmark = pytest.mark.model
+
+
+def _diff(want, got, limit: int = 40) -> str:
+    a = json.dumps(want, indent=1, sort_keys=True).splitlines()
+    b = json.dumps(got, indent=1, sort_keys=True).splitlines()
+    return "\n".join(list(difflib.unified_diff(a, b, "golden", "now", lineterm="", n=2))[:limit])
+
+
+@pytest.mark.parametrize("kind", sorted(STUDIES))
+def test_outputs_equal_the_golden_files(kind, tmp_path):
+    want = json.loads((GOLDEN / f"{kind}.json").read_text())
+    got = normalise(run(kind, tmp_path / kind), kind)
+    assert sorted(got) == sorted(want), f"{kind}: other files: {sorted(set(got) ^ set(want))}"
+    for name in want:
+        assert got[name] == want[name], f"{kind}/{name} differs:\n{_diff(want[name], got[name])}"
