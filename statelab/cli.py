@@ -388,7 +388,7 @@ app.add_typer(study_app, name="study")
 @study_app.command("run")
 def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)"),
               out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder (default runs/studies/NAME)"),
-              executor: str = typer.Option("local", "--executor", "-e", help="local, dask-local or dask://HOST:PORT"),
+              executor: str = typer.Option("local", "--executor", "-e", help="local, batch, dask-local or dask://HOST:PORT"),
               workers: int = typer.Option(2, "--workers", "-w", help="cells running at once")):
     """Run (or resume) a study: controls per prompt, then every cell in a fresh process."""
     from .study import run_study

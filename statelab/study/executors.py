@@ -6,6 +6,10 @@
                    each Dask task starts the cell's subprocess on its worker
   dask://HOST:PORT a ``distributed.Client`` to a running scheduler; the workers must see the
                    study folder (captures) at the same path and have statelab installed
+  batch            N threads, each starting one process per (prompt, direction, repeat) that
+                   runs all its selectors with the model loaded once and crosses byte-identical
+                   selections once (``python -m statelab.study.batch``); repeats never share
+                   a process
 
 The runner receives results one by one, in completion order, on its own thread.
 """
@@ -28,12 +32,12 @@ _DASK_ADDR = re.compile(r"^dask://(?P<host>[^:/\s]+):(?P<port>\d{1,5})$")
 def check_executor(executor: str, workers: int) -> str:
     if not isinstance(workers, int) or workers < 1:
         raise StudyError(f"--workers must be a positive integer, got {workers!r}")
-    if executor in ("local", "dask-local"):
+    if executor in ("local", "dask-local", "batch"):
         return executor
     m = _DASK_ADDR.match(executor or "")
     if m and 0 < int(m.group("port")) < 65536:
         return executor
-    raise StudyError(f"unknown executor {executor!r}: use local, dask-local or dask://HOST:PORT")
+    raise StudyError(f"unknown executor {executor!r}: use local, batch, dask-local or dask://HOST:PORT")
 
 
 def _address(executor: str) -> str:
@@ -81,6 +85,72 @@ def run_cell_subprocess(task: dict, timeout: float | None = None) -> dict:
                                    f"{tail}")
     rec.setdefault("timing", {})["subprocess_s"] = time.perf_counter() - t0
     return rec
+
+
+def run_batch_subprocess(tasks: list[dict], on_result: Callable[[dict], None]) -> None:
+    """Run a batch of cells in one new process (:mod:`statelab.study.batch`), passing each
+    record on as its line arrives; cells without a record become failed records."""
+    from .cells import failed_record
+    from .worker import MARKER
+
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    pending = {t["key"]: t for t in tasks}
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "statelab.study.batch"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    except OSError as e:
+        for t in tasks:
+            on_result(failed_record(t, f"cannot start the batch process: {e}"))
+        return
+    with proc:
+        import threading
+
+        err_lines: list[str] = []
+        reader = threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        proc.stdin.write(json.dumps(tasks))
+        proc.stdin.close()
+        for line in proc.stdout:
+            if not line.startswith(MARKER):
+                continue
+            try:
+                rec = json.loads(line[len(MARKER):])
+            except ValueError:
+                continue
+            if pending.pop(rec.get("key"), None) is not None:
+                on_result(rec)
+        proc.wait()
+        reader.join(timeout=5)
+    tail = " | ".join("".join(err_lines).strip().splitlines()[-3:])
+    for t in pending.values():
+        on_result(failed_record(t, f"the batch process exited with status {proc.returncode} before this cell: {tail}"))
+
+
+def _run_batches(tasks: list[dict], workers: int, on_result: Callable[[dict], None]) -> None:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from .batch import batch_key
+
+    groups: dict[tuple, list[dict]] = {}
+    for t in tasks:
+        groups.setdefault(batch_key(t), []).append(t)
+    lock = threading.Lock()
+
+    def deliver(rec: dict) -> None:
+        with lock:  # the runner's log is written by one thread at a time
+            on_result(rec)
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="statelab-batch") as pool:
+        futs = [pool.submit(run_batch_subprocess, g, deliver) for g in groups.values()]
+        try:
+            for f in as_completed(futs):
+                f.result()
+        except BaseException:
+            for f in futs:
+                f.cancel()
+            raise
 
 
 def _run_local(tasks: list[dict], workers: int, on_result: Callable[[dict], None]) -> None:
@@ -139,6 +209,9 @@ def execute(tasks: Iterable[dict], executor: str, workers: int, on_result: Calla
         return {"startup_s": 0.0, "shutdown_s": 0.0}
     if executor == "local":
         _run_local(tasks, workers, on_result)
+        return {"startup_s": 0.0, "shutdown_s": 0.0}
+    if executor == "batch":
+        _run_batches(tasks, workers, on_result)
         return {"startup_s": 0.0, "shutdown_s": 0.0}
     if executor == "dask-local":
         return _run_dask(tasks, workers, on_result, None)
