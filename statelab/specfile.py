@@ -156,12 +156,12 @@ def selector_search_dirs(path: Path) -> list[str]:
 
 
 def expand_selector_patterns(names: Sequence[str], path: Path, err: Err) -> list[str]:
-    """Selector entries with a ``*`` (e.g. ``"../selectors/layers/L*.toml"``, relative to the
-    spec file) stand for every matching ``.toml`` file, in sorted order; a pattern that
-    matches nothing is an error."""
+    """Selector entries with glob characters (``*``, ``?``, ``[...]``; e.g.
+    ``"../selectors/layers/L*.toml"``, relative to the spec file) stand for every matching
+    ``.toml`` file, in sorted order; a pattern that matches nothing is an error."""
     out = []
     for name in names:
-        if "*" not in name:
+        if not any(c in name for c in "*?["):
             out.append(name)
             continue
         base = "" if os.path.isabs(name) else str(path.parent) + os.sep

@@ -12,7 +12,7 @@ Schema (top-level keys)::
     repeats     = 2                             # independent process repeats per coordinate
     prompts     = ["HumanEval/2", "file:x.txt", "chat:msg.txt", "text:..."]
     selectors   = ["EMPTY", "ALL", "L0_V", "my/sel.toml", "../selectors/layers/*.toml"]
-                  # names on the selector path, .toml paths, or patterns with * (sorted matches)
+                  # names on the selector path, .toml paths, or glob patterns (sorted matches)
     directions  = ["A->R", "R->A"]              # donor->recipient, arm names from [arms]
 
     [arms]                                      # arm name -> schedule (A, B, C, R or explicit)
