@@ -114,12 +114,16 @@ def natural_pairs(run: RunData) -> list[dict]:
     return rows
 
 
+def _by_run_pair(rows: list[dict]):
+    """(run, pair) -> its rows, in sorted order."""
+    key = lambda r: (r["run"], r["pair"])  # noqa: E731
+    return [(k, list(g)) for k, g in itertools.groupby(sorted(rows, key=key), key=key)]
+
+
 def divergence_table(rows: list[dict]) -> list[dict]:
     """Per (run, pair): inputs, diverging, share; equal/unequal states and agreement."""
     out = []
-    for (run, pair), grp in itertools.groupby(sorted(rows, key=lambda r: (r["run"], r["pair"])),
-                                              key=lambda r: (r["run"], r["pair"])):
-        g = list(grp)
+    for (run, pair), g in _by_run_pair(rows):
         same = np.array([r["endpoint_same"] for r in g])
         state = np.array([r["state_same"] for r in g])
         out.append({"run": run, "pair": pair, "inputs": len(g), "diverging": int((~same).sum()),
@@ -184,9 +188,7 @@ def separability_rows(run: RunData) -> list[dict]:
 
 def separability_table(rows: list[dict]) -> list[dict]:
     out = []
-    for (run, pair), grp in itertools.groupby(sorted(rows, key=lambda r: (r["run"], r["pair"])),
-                                              key=lambda r: (r["run"], r["pair"])):
-        g = list(grp)
+    for (run, pair), g in _by_run_pair(rows):
         y = [r["diverges"] for r in g]
         for var, label in MAGNITUDES:
             res = best_threshold([r[var] for r in g], y)
