@@ -45,6 +45,8 @@ def test_best_threshold_separable_and_one_label():
     assert not one["both_labels"] and one["errors"] == 0
     bad = F.best_threshold([0.5, 0.5, 0.1], [True, False, False])  # a tie across labels
     assert bad["errors"] == 1 and not bad["separable"]
+    down = F.best_threshold([0.1, 0.2, 0.9], [True, True, False])  # separable only by a decreasing rule
+    assert down["errors"] == 0 and down["orientation"] == "diverging_below" and down["errors_increasing"] == 1
 
 
 def test_separability_table_verdicts_and_denominators():
