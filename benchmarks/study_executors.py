@@ -41,7 +41,7 @@ from statelab.experiments.matrix.store import StudyDir  # noqa: E402
 
 HEADING = "## Study executors"
 EXECUTORS = ("local-spawn", "local", "dask-local")
-VOLATILE = {"timing", "pid", "host"}
+VOLATILE = {"timing", "pid", "host", "same_mask_as"}  # same_mask_as: which cell of a batch ran the cross
 
 
 def _records(out: Path) -> dict:
@@ -130,15 +130,20 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="rounds, each running every executor once")
     ap.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
     ap.add_argument("--keep", type=Path, default=None, help="keep the study folders here")
+    ap.add_argument("--executors", default=",".join(EXECUTORS),
+                    help="comma-separated, local and local-spawn included (e.g. local-spawn,local,batch)")
     args = ap.parse_args(argv)
+    exs = tuple(x for x in args.executors.split(",") if x)
+    if not {"local", "local-spawn"} <= set(exs):
+        ap.error("--executors must include local and local-spawn")
 
     spec = load_spec(args.spec)
     root = Path(tempfile.mkdtemp(prefix="statelab-bench-")) if args.keep is None else args.keep
     root.mkdir(parents=True, exist_ok=True)
     seed = root / "seed"
     print(f"controls and captures (fork server, once; not timed) -> {seed}", flush=True)
-    cpu: dict[str, list[float]] = {ex: [] for ex in EXECUTORS}
-    runs: dict[str, list] = {ex: [] for ex in EXECUTORS}
+    cpu: dict[str, list[float]] = {ex: [] for ex in exs}
+    runs: dict[str, list] = {ex: [] for ex in exs}
 
     def timed(ex, out):
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -152,7 +157,7 @@ def main(argv=None) -> int:
     reference = _records(seed)
     failures = ["the first run had failed cells"] if first.failed else []
     for r in range(args.rounds):
-        order = EXECUTORS[r % len(EXECUTORS):] + EXECUTORS[:r % len(EXECUTORS)]  # rotate who goes first
+        order = exs[r % len(exs):] + exs[:r % len(exs)]  # rotate who goes first
         for ex in order:
             out = root / f"{ex}-{r}"
             _fresh_copy(seed, out)
@@ -165,7 +170,7 @@ def main(argv=None) -> int:
 
     n_cells = first.ran
     rows, med = [], {}
-    for ex in EXECUTORS:
+    for ex in exs:
         rs = runs[ex]
         cpm = [s.cells_per_minute for s in rs]
         secs = [s.cells_seconds for s in rs]
@@ -176,7 +181,8 @@ def main(argv=None) -> int:
                     f"{statistics.median(start):.1f} | {med[ex]:.1f} | {statistics.median(net):.1f} | "
                     f"{statistics.median(cpu[ex]):.2f} | {', '.join(f'{x:.1f}' for x in cpm)} |")
     fork_spawn = [a.cells_per_minute / b.cells_per_minute for a, b in zip(runs["local"], runs["local-spawn"])]
-    fork_dask = [a.cells_per_minute / b.cells_per_minute for a, b in zip(runs["local"], runs["dask-local"])]
+    others = [ex for ex in exs if ex not in ("local", "local-spawn")]
+    versus = {ex: [a.cells_per_minute / b.cells_per_minute for a, b in zip(runs["local"], runs[ex])] for ex in others}
 
     def per_cell(ex, key):
         recs = [r for s in runs[ex] for r in CellLog(s.out / "cells.jsonl").records()]
@@ -192,7 +198,7 @@ def main(argv=None) -> int:
     qual = ("every run gave the same deterministic records as the first run" if not failures
             else "FAILED: " + "; ".join(failures))
     body = f"""\
-Command: `python benchmarks/study_executors.py --spec {os.path.relpath(args.spec, REPO)} --workers {args.workers} --rounds {args.rounds}`
+Command: `python benchmarks/study_executors.py --spec {os.path.relpath(args.spec, REPO)} --workers {args.workers} --rounds {args.rounds} --executors {','.join(exs)}`
 ({dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, commit {_commit()}; {platform.machine()}, {os.cpu_count()} CPUs shared
 with other work, load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; spec hash {spec.hash[:12]}).
 
@@ -200,7 +206,9 @@ Study `{spec.name}`: {len(spec.prompts)} prompts x {len(spec.selectors)} selecto
 Every cell runs in its own fresh process whose llama.cpp context has decoded nothing else, under every
 executor: `local` forks it from the pre-imported fork server (the default), `local-spawn` starts a new
 interpreter per cell (what every cell cost before the fork server), `dask-local` runs each cell's new
-interpreter from a Dask LocalCluster task. Timed: the cell phase only, from the first submission to the
+interpreter from a Dask LocalCluster task; `batch` (study cells only) runs one new interpreter per
+(prompt, direction, repeat) with a fresh context per cell and crosses a byte-identical selection once per
+process (so its cells share a process, not a context). Timed: the cell phase only, from the first submission to the
 last durable append, the fork server's and Dask's start and shutdown included (start also shown apart);
 the per-prompt controls ran once, untimed, and every run starts from the same captures and controls.
 Rounds rotate the executors. Qualification: {qual}.
@@ -210,8 +218,7 @@ Rounds rotate the executors. Qualification: {qual}.
 {chr(10).join(rows)}
 
 Fork server / new interpreter per cell: {ratio:.2f}x cells per minute (medians; goal >= 2x: {goal}); per round
-{', '.join(f'{x:.2f}' for x in fork_spawn)}. Fork server / Dask LocalCluster: {med['local'] / med['dask-local']:.2f}x
-(per round {', '.join(f'{x:.2f}' for x in fork_dask)}). CPU s per cell: user + system time of all descendant
+{', '.join(f'{x:.2f}' for x in fork_spawn)}. {' '.join(f"Fork server / {ex}: {med['local'] / med[ex]:.2f}x (per round {', '.join(f'{x:.2f}' for x in versus[ex])})." for ex in others)} CPU s per cell: user + system time of all descendant
 processes (cell processes, the fork server and its children, Dask's worker processes), divided by the cells run.
 
 Per cell, median over every run of the executor (wall seconds as the cell saw them, with the other worker

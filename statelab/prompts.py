@@ -4,6 +4,8 @@ A prompt spec is one of
   HumanEval/12   (or humaneval:12, or just 12 where a HumanEval id is expected)
   file:PATH      a UTF-8 text file, used verbatim
   text:...       literal text
+  chat:PATH      a UTF-8 text file holding one user message, rendered with the model's own
+                 chat template by llama.cpp (the study's model; the embedded one by default)
 """
 from __future__ import annotations
 
@@ -69,13 +71,27 @@ def from_file(path: str | Path) -> Prompt:
     return Prompt(f"file:{p.name}", text, str(p))
 
 
-def resolve(spec: str) -> Prompt:
-    """Turn a prompt spec (see module doc) into a Prompt."""
+def chat(path: str | Path, model=None) -> Prompt:
+    """A user message from a text file with the model's chat template applied (llama.cpp's
+    ``llama_chat_apply_template`` on the GGUF's template, ending with the assistant opener).
+    Its id is ``chat:<file name>``; its sha256 is that of the rendered text."""
+    from statelab.runtime.chat import apply_chat_template  # the runtime (llama_cpp): only chat prompts need it
+
+    message = from_file(path)
+    text = apply_chat_template([("user", message.text)], model)
+    return Prompt(f"chat:{Path(path).name}", text, f"{message.source} (chat template of {Path(str(model)).name if model else 'the embedded model'})")
+
+
+def resolve(spec: str, model=None) -> Prompt:
+    """Turn a prompt spec (see module doc) into a Prompt; ``model`` (a GGUF path, None: the
+    embedded model) only matters for ``chat:`` prompts."""
     s = str(spec)
     if s.startswith("file:"):
         return from_file(s[5:])
+    if s.startswith("chat:"):
+        return chat(s[5:], model)
     if s.startswith("text:"):
         return Prompt("text:" + hashlib.sha256(s[5:].encode()).hexdigest()[:12], s[5:], "literal")
     if s.lower().startswith("humaneval") or s.isdigit() or s.startswith("/"):
         return humaneval(s)
-    raise ConfigError(f"unknown prompt spec {spec!r}: use HumanEval/N, file:PATH or text:...")
+    raise ConfigError(f"unknown prompt spec {spec!r}: use HumanEval/N, file:PATH, chat:PATH or text:...")

@@ -390,7 +390,7 @@ app.add_typer(study_app, name="study")
 @study_app.command("run")
 def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)"),
               out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder (default runs/studies/NAME)"),
-              executor: str = typer.Option("local", "--executor", "-e", help="local (fork server), local-spawn, dask-local or dask://HOST:PORT"),
+              executor: str = typer.Option("local", "--executor", "-e", help="local (fork server), batch (one process per prompt, direction and repeat), local-spawn, dask-local or dask://HOST:PORT"),
               workers: int = typer.Option(2, "--workers", "-w", help="cells running at once")):
     """Run (or resume) a study: controls per prompt, then every cell in a fresh process."""
     from statelab.experiments.matrix import run_study
@@ -442,6 +442,32 @@ def study_minimal(spec: Path = typer.Argument(..., help="study spec"),
         console.print(f"{res['prompt']} {res['direction']}: even ALL does not reproduce the donor endpoint")
     if json_out:
         atomic_write_text(json_out, json.dumps(res, indent=2))
+
+
+@study_app.command("findings")
+def study_findings(runs: list[Path] = typer.Argument(..., help="study output folders (compiled results)"),
+                   out: Path = typer.Option(..., "--out", "-o", help="folder for findings.md/.json/.nc and figures")):
+    """The paper's claims as tables with denominators, over one or more study folders (no model)."""
+    from statelab.analysis.findings import write
+
+    path, f = write(runs, out)
+    console.print(f"{len(f.runs)} studies, {len(f.natural)} natural pairs, {len(f.nonmono_pairs)} non-monotone "
+                  f"pairs, {f.minimal['searched']} minimal searches, {f.panels['panels']} panels -> {path}")
+
+
+@study_app.command("findings-run")
+def study_findings_run(out: Path = typer.Argument(..., help="a finished study folder"),
+                       kind: str = typer.Option(..., "--kind", "-k", help="minimal or panels"),
+                       budget: float = typer.Option(..., "--budget", "-b", help="wall seconds; no target starts after"),
+                       workers: int = typer.Option(2, "--workers", "-w", help="worker processes"),
+                       limit: Optional[int] = typer.Option(None, "--limit", help="at most this many new targets")):
+    """Minimal sufficient selections or frontier panels for the study's class-B cells (resumable)."""
+    from statelab.experiments.findings_run import run_findings
+
+    c = run_findings(out, kind, budget, workers, limit)
+    console.print(f"{kind}: {c['ran']} run ({c['ok']} ok, {c['skipped']} skipped, {c['failed']} failed), "
+                  f"{c['done_before']} done before, {c['not_started']} not started, of {c['targets']} class-B cells; "
+                  f"{c['seconds']:.0f} s")
 
 
 # ---------------------------------------------------------------------------- model

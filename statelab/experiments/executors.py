@@ -9,6 +9,12 @@ nothing else, so results do not depend on the executor:
   local-spawn      a pool of N threads in the runner, each starting one new interpreter per
                    unit (``python -m statelab.experiments.worker``): the interpreter start
                    and the imports are paid per unit
+  batch            (study cells only) N threads, each starting one new interpreter per
+                   (prompt, direction, repeat) that runs all its selectors with the model
+                   loaded once, a fresh context per cell, and crosses byte-identical selections
+                   once (``python -m statelab.experiments.matrix.batch``); the repeats of a
+                   coordinate never share a process.  Each cell's context still decodes
+                   nothing else, but the cells of a batch share the process (and its model)
   dask-local       a ``distributed.LocalCluster`` of N worker processes (one thread each);
                    each Dask task starts the unit's new interpreter on its worker
   dask://HOST:PORT a ``distributed.Client`` to a running scheduler; the workers must see the
@@ -27,16 +33,17 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass, field
 
 from statelab.errors import ConfigError
 from statelab.experiments.forkserver import ForkServer
 from statelab.experiments.worker import MARKER
 
-EXECUTORS = ("local", "local-spawn", "dask-local")
+EXECUTORS = ("local", "local-spawn", "batch", "dask-local")
 _DASK_ADDR = re.compile(r"^dask://(?P<host>[^:/\s]+):(?P<port>\d{1,5})$")
 
 
@@ -46,6 +53,8 @@ class Unit:
     fn: str  # "module:function", importable in the fork server and in a new interpreter
     failed: Callable[[dict, str], dict]  # the record of a task whose process gave no result
     env: dict = field(default_factory=dict)  # variables the unit's process needs (STATELAB_THREADS...)
+    batch: str | None = None  # module run as ``python -m`` for a batch of tasks (the batch executor)
+    batch_key: Callable[[dict], tuple] | None = None  # tasks with the same key run in one batch
 
 
 def check_executor(executor: str, workers: int, error: type[Exception] = ConfigError) -> str:
@@ -115,6 +124,63 @@ def run_forked(server: ForkServer, unit: Unit, task: dict, timeout: float | None
     return _timed(rec, fork_s=info.fork_s, process_s=info.run_s, subprocess_s=info.wall_s)
 
 
+def run_batch(unit: Unit, tasks: list[dict], on_result: Callable[[dict], None]) -> None:
+    """Run a batch of tasks in one new process (``python -m unit.batch``: a JSON list of tasks
+    on stdin, one marked record line per task on stdout as it finishes), passing each record
+    on as its line arrives; tasks without a record become failed records."""
+    env = {**os.environ, **unit.env}
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    pending = {t["key"]: t for t in tasks}
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", unit.batch], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    except OSError as e:
+        for t in tasks:
+            on_result(unit.failed(t, f"cannot start the batch process: {e}"))
+        return
+    with proc:
+        err_lines: list[str] = []
+        reader = threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        proc.stdin.write(json.dumps(tasks))
+        proc.stdin.close()
+        for line in proc.stdout:
+            if not line.startswith(MARKER):
+                continue
+            try:
+                rec = json.loads(line[len(MARKER):])
+            except ValueError:
+                continue
+            if pending.pop(rec.get("key"), None) is not None:
+                on_result(rec)
+        proc.wait()
+        reader.join(timeout=5)
+    tail = " | ".join("".join(err_lines).strip().splitlines()[-3:])
+    for t in pending.values():
+        on_result(unit.failed(t, f"the batch process exited with status {proc.returncode} before this cell: {tail}"))
+
+
+def _run_batches(unit: Unit, tasks: list[dict], workers: int, on_result: Callable[[dict], None]) -> None:
+    groups: dict[tuple, list[dict]] = {}
+    for t in tasks:
+        groups.setdefault(unit.batch_key(t), []).append(t)
+    lock = threading.Lock()
+
+    def deliver(rec: dict) -> None:
+        with lock:  # the runner's log is written by one thread at a time
+            on_result(rec)
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="statelab-batch") as pool:
+        futs = [pool.submit(run_batch, unit, g, deliver) for g in groups.values()]
+        try:
+            for f in as_completed(futs):
+                f.result()
+        except BaseException:
+            for f in futs:
+                f.cancel()
+            raise
+
+
 def _run_pool(run_one: Callable[[dict], dict], tasks: list[dict], workers: int,
               on_result: Callable[[dict], None]) -> None:
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="statelab-unit") as pool:
@@ -124,6 +190,28 @@ def _run_pool(run_one: Callable[[dict], dict], tasks: list[dict], workers: int,
                 on_result(f.result())
         except BaseException:
             for f in futs:
+                f.cancel()
+            raise
+
+
+def _run_pool_until(run_one: Callable[[dict], dict], tasks: list[dict], workers: int,
+                    on_result: Callable[[dict], None], stop: Callable[[], bool]) -> None:
+    """Like :func:`_run_pool`, but a task is only started while ``stop()`` is False (the first
+    always starts); the tasks never started are simply not run."""
+    queue = list(reversed(tasks))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="statelab-unit") as pool:
+        pending: set = set()
+        try:
+            while queue or pending:
+                while queue and len(pending) < workers and (len(queue) == len(tasks) or not stop()):
+                    pending.add(pool.submit(run_one, queue.pop()))
+                if not pending:
+                    break
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    on_result(f.result())
+        except BaseException:
+            for f in pending:
                 f.cancel()
             raise
 
@@ -166,27 +254,35 @@ def execute(tasks: Iterable[dict], unit: Unit, executor: str, workers: int, on_r
             stop: Callable[[], bool] | None = None, error: type[Exception] = ConfigError) -> dict:
     """Run the tasks; returns the executor's own overhead: {"startup_s", "shutdown_s"}.
 
-    ``stop`` (serial mode: local executor, one worker) is asked before every task but the
-    first; True ends the run there (every run makes progress)."""
+    ``stop`` (local executor only) is asked before every task but the first is started; True
+    starts no more (every run makes progress).  With one worker this is the serial mode of
+    timed campaigns: one unit at a time, in order, in the calling thread."""
     tasks = list(tasks)
     executor = check_executor(executor, workers, error)
-    if stop is not None and (executor != "local" or workers != 1):
-        raise error("a stop test needs the serial mode: the local executor with one worker")
+    if stop is not None and executor != "local":
+        raise error("a stop test needs the local executor (the fork server)")
     if not tasks:
         return {"startup_s": 0.0, "shutdown_s": 0.0}
     if executor == "local":
         t0 = time.perf_counter()
         with ForkServer() as server:
             t1 = time.perf_counter()
-            if stop is not None:
+            if stop is not None and workers == 1:
                 for i, t in enumerate(tasks):
                     if i and stop():
                         break
                     on_result(run_forked(server, unit, t))
+            elif stop is not None:
+                _run_pool_until(lambda t: run_forked(server, unit, t), tasks, workers, on_result, stop)
             else:
                 _run_pool(lambda t: run_forked(server, unit, t), tasks, workers, on_result)
             t2 = time.perf_counter()
         return {"startup_s": t1 - t0, "shutdown_s": time.perf_counter() - t2}
+    if executor == "batch":
+        if unit.batch is None or unit.batch_key is None:
+            raise error("the batch executor runs study cells only: use local, local-spawn or a Dask executor")
+        _run_batches(unit, tasks, workers, on_result)
+        return {"startup_s": 0.0, "shutdown_s": 0.0}
     if executor == "local-spawn":
         _run_pool(lambda t: run_spawned(unit, t), tasks, workers, on_result)
         return {"startup_s": 0.0, "shutdown_s": 0.0}

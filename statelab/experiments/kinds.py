@@ -41,6 +41,11 @@ KINDS = {
 }
 
 
+# units that are not a kind of their own: follow-up work over a finished study folder
+FOLLOW_UPS = {"findings": "statelab.experiments.findings_run:run_job"}
+
+
 def unit_modules() -> list[str]:
-    """The modules of every kind's unit function (what a fork server preloads)."""
-    return list(dict.fromkeys(k.unit.fn.partition(":")[0] for k in KINDS.values()))
+    """The modules of every kind's and follow-up's unit function (what a fork server preloads)."""
+    fns = [k.unit.fn for k in KINDS.values()] + list(FOLLOW_UPS.values())
+    return list(dict.fromkeys(fn.partition(":")[0] for fn in fns))

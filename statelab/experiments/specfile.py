@@ -7,6 +7,7 @@ same for both kinds of spec.
 """
 from __future__ import annotations
 
+import glob
 import os
 import re
 import tomllib
@@ -145,17 +146,19 @@ def str_list(data: dict, key: str, err: Err, *, say_empty: bool = False) -> list
     return list(v)
 
 
-def resolve_prompts(prompt_specs: Sequence[str], path: Path, err: Err) -> list:
-    """:func:`statelab.prompts.resolve` each prompt spec (``file:`` paths relative to the spec
-    file when they exist there); a prompt that cannot be resolved fails here."""
+def resolve_prompts(prompt_specs: Sequence[str], path: Path, err: Err, model=None) -> list:
+    """:func:`statelab.prompts.resolve` each prompt spec (``file:`` and ``chat:`` paths relative
+    to the spec file when they exist there; ``chat:`` rendered with ``model``'s template); a
+    prompt that cannot be resolved fails here."""
     prompts = []
     for s in prompt_specs:
         target = s
-        if s.startswith("file:") and not os.path.isabs(s[5:]) and (path.parent / s[5:]).is_file():
-            target = "file:" + str(path.parent / s[5:])
+        kind, _, rest = s.partition(":")
+        if kind in ("file", "chat") and rest and not os.path.isabs(rest) and (path.parent / rest).is_file():
+            target = f"{kind}:{path.parent / rest}"
         try:
-            prompts.append(prompts_mod.resolve(target))
-        except ConfigError as e:
+            prompts.append(prompts_mod.resolve(target, model))
+        except (ConfigError, ModelError) as e:
             raise err(f"prompt {s!r}: {e}") from None
     return prompts
 
@@ -184,6 +187,23 @@ def selector_search_dirs(path: Path) -> list[str]:
     if (path.parent / "selectors").is_dir() and str(path.parent / "selectors") not in search:
         search.insert(0, str(path.parent / "selectors"))
     return search
+
+
+def expand_selector_patterns(names: Sequence[str], path: Path, err: Err) -> list[str]:
+    """Selector entries with glob characters (``*``, ``?``, ``[...]``; e.g.
+    ``"../selectors/layers/L*.toml"``, relative to the spec file) stand for every matching
+    ``.toml`` file, in sorted order; a pattern that matches nothing is an error."""
+    out = []
+    for name in names:
+        if not any(c in name for c in "*?["):
+            out.append(name)
+            continue
+        base = "" if os.path.isabs(name) else str(path.parent) + os.sep
+        found = sorted(f for f in glob.glob(base + name) if f.endswith(".toml") and os.path.isfile(f))
+        if not found:
+            raise err(f"selector pattern {name!r} matches no .toml file")
+        out.extend(found)
+    return out
 
 
 def load_spec_selector(name: str, path: Path, search: list[str], err: Err):

@@ -220,3 +220,48 @@ def forest(rows: Sequence[dict], threshold: float | None = None, title: str = ""
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(title or "speculative campaign: request-time ratios", fontsize=10)
     return png_bytes(fig)
+
+
+# ----------------------------------------------------------------------------- findings
+
+
+def class_overview(klass: xr.DataArray, title: str = "") -> bytes:
+    """Compact heatmap of many cells: rows selectors, columns task x direction, one colour
+    per class ('' blank), no letters (the findings studies have thousands of cells)."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    da = klass.transpose("selector", "task", "direction")
+    vals = da.values.astype(str)
+    n_sel, n_task, n_dir = vals.shape
+    flat = vals.reshape(n_sel, -1)
+    codes = np.select([flat == c for c in CLASSES], range(1, len(CLASSES) + 1), 0)
+    fig = _figure(max(5.0, 0.16 * flat.shape[1] + 2.5), max(3.0, 0.1 * n_sel + 1.5))
+    ax = fig.add_subplot(1, 1, 1)
+    cmap = ListedColormap([CLASS_COLOURS[""]] + [CLASS_COLOURS[c] for c in CLASSES])
+    ax.imshow(codes, cmap=cmap, vmin=-0.5, vmax=len(CLASSES) + 0.5, aspect="auto", interpolation="nearest")
+    ax.set_yticks(range(n_sel), [str(s) for s in da.selector.values], fontsize=5)
+    ax.set_xticks([k * n_dir + (n_dir - 1) / 2 for k in range(n_task)], [str(t) for t in da.task.values],
+                  rotation=70, ha="right", fontsize=6)
+    for k in range(1, n_task):
+        ax.axvline(k * n_dir - 0.5, color="black", linewidth=0.6)
+    counts = {c: int((vals == c).sum()) for c in CLASSES}
+    ax.legend(handles=[Patch(facecolor=CLASS_COLOURS[c], edgecolor="grey", label=f"{c} ({counts[c]})")
+                       for c in CLASSES], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.set_xlabel("task (columns within a task: " + ", ".join(str(d) for d in da.direction.values) + ")", fontsize=8)
+    ax.set_title(title or "endpoint classes", fontsize=10)
+    return png_bytes(fig)
+
+
+def histogram(values: Sequence[float], xlabel: str, title: str = "", bins: int = 30) -> bytes:
+    """A histogram of finite values (a message figure when there are none)."""
+    x = np.asarray([v for v in values if v is not None and np.isfinite(v)], dtype=np.float64)
+    if x.size == 0:
+        return _message(f"{title}: nothing to draw")
+    fig = _figure(5.5, 3.2)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.hist(x, bins=min(bins, max(1, np.unique(x).size)), color=CLASS_COLOURS["B"], edgecolor="white")
+    ax.set_xlabel(xlabel, fontsize=9)
+    ax.set_ylabel("count", fontsize=9)
+    ax.set_title(title, fontsize=10)
+    return png_bytes(fig)

@@ -70,28 +70,48 @@ def failed_record(task: dict, error: str, **extra) -> dict:
             "status": "failed", "error": " ".join(str(error).split())[:2000], **extra}
 
 
-def run_cell(task: dict, model=None) -> dict:
+def run_cell(task: dict, model=None, cache: dict | None = None) -> dict:
     """Execute one cell; ``model`` may be passed to reuse a loaded model (tests, tools).
-    Raises on any failure (the worker turns it into a failed record)."""
+    With ``cache`` (a dict kept by one batch process, see :mod:`statelab.experiments.matrix.batch`) the
+    verified captures and selectors are reused, and a cell whose selection has the same byte
+    mask as a cell already run on the same donor and recipient captures in this process is
+    not run again: its record is that cell's, under its own key, with ``same_mask_as`` naming
+    the cell that ran.  Raises on any failure (the worker turns it into a failed record)."""
     t0 = time.perf_counter()
     if model is None:
         model = Model(task["model"], backend=task["backend"])
     if model.sha256 != task["model_sha256"]:
         raise IdentityError(f"the worker's model {model.sha256[:12]} is not the study's {task['model_sha256'][:12]}")
     t_load = time.perf_counter()
-    donor = load_capture(task["donor_capture"])
-    recipient = load_capture(task["recipient_capture"])
-    selector = load_selector(task["selector_source"], search_dirs=task["selector_dirs"])
+    cache = {} if cache is None else cache
+
+    def cached(key, make):
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
+    donor = cached(("capture", task["donor_capture"]), lambda: load_capture(task["donor_capture"]))
+    recipient = cached(("capture", task["recipient_capture"]), lambda: load_capture(task["recipient_capture"]))
+    selector = cached(("selector", task["selector_source"]),
+                      lambda: load_selector(task["selector_source"], search_dirs=task["selector_dirs"]))
     if selector.describe() != task["selector_terms"]:
         raise StudyError(f"selector {task['selector']} changed since the study started: "
                          f"{selector.describe()!r} != {task['selector_terms']!r}")
     sel = select(selector, recipient.state)
+    mask_key = ("mask", task["donor_capture"], task["recipient_capture"],
+                hashlib.sha256(np.packbits(sel.to_flat()).tobytes()).hexdigest())
     t_ready = time.perf_counter()
+    first = cache.get(mask_key)
+    if first is not None:  # byte-identical selection on the same captures: the same cross
+        return {**first, "key": task["key"], "selector": task["selector"], "repeat": task["repeat"],
+                "same_mask_as": first["key"],
+                "timing": {"load_s": t_load - t0, "prepare_s": t_ready - t_load, "cross_s": 0.0,
+                           "cell_s": time.perf_counter() - t0}}
     ep, acc = subset_cross(model, donor, recipient, sel, int(task["cap"]))
     t_done = time.perf_counter()
     nat_d = Endpoint.from_dict(task["natural_donor"])
     nat_r = Endpoint.from_dict(task["natural_recipient"])
-    return {
+    cache[mask_key] = rec = {
         "key": task["key"], "spec_hash": task["spec_hash"], "status": "ok",
         "prompt": task["prompt"], "selector": task["selector"], "direction": task["direction"],
         "donor": task["donor"], "recipient": task["recipient"], "repeat": task["repeat"],
@@ -109,6 +129,7 @@ def run_cell(task: dict, model=None) -> dict:
                    "cell_s": t_done - t0},
         "pid": os.getpid(), "host": socket.gethostname(),
     }
+    return rec
 
 
 def cell_record(task: dict) -> dict:
@@ -119,4 +140,11 @@ def cell_record(task: dict) -> dict:
         return failed_record(task, f"{type(e).__name__}: {e}")
 
 
-CELL = Unit("statelab.experiments.matrix.cells:cell_record", failed_record)  # how the executors run a cell
+def batch_key(task: dict) -> tuple:
+    """Cells of one batch (the batch executor): the same prompt, direction and repeat."""
+    return task["prompt"], task["direction"], int(task["repeat"])
+
+
+# how the executors run a cell (alone, or in batches: statelab.experiments.matrix.batch)
+CELL = Unit("statelab.experiments.matrix.cells:cell_record", failed_record,
+            batch="statelab.experiments.matrix.batch", batch_key=batch_key)

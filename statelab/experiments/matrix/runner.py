@@ -146,13 +146,21 @@ def _run_locked(spec: StudySpec, sdir: StudyDir, executor: str, workers: int, re
                       executor_startup_s=overhead.get("startup_s", 0.0), page=page)
 
 
+def _prompt_id(prompt: str) -> str:
+    """The id a prompt spec gets (``file:``/``chat:`` ids are the file name; nothing is read)."""
+    kind, _, rest = prompt.partition(":")
+    if kind in ("file", "chat") and rest:
+        return f"{kind}:{Path(rest).name}"
+    return prompts_mod.resolve(prompt).id
+
+
 def minimal_selection(spec_path, prompt: str, direction: str, out=None, refine: bool = True, progress=None) -> dict:
     """Search a small sufficient selection (layers, then a position range) for one prompt
     and direction with :func:`statelab.analysis.classes.minimal_sufficient_selection`, evaluating
     each candidate by a real subset cross (in this process, model loaded once).  Reuses
     the study's archived captures when ``out`` holds them; otherwise forms them."""
     spec = load_spec(spec_path)
-    p = next((q for q in spec.prompts if q.id == prompts_mod.resolve(prompt).id), None) if prompt else None
+    p = next((q for q in spec.prompts if q.id == _prompt_id(prompt)), None) if prompt else None
     if p is None:
         raise StudyError(f"prompt {prompt!r} is not one of the study's prompts ({', '.join(spec.task_ids)})")
     d = next((x for x in spec.directions if x.label == direction.replace(" ", "")), None)

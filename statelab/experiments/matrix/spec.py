@@ -10,8 +10,9 @@ Schema (top-level keys)::
     n_ctx       = 1024                          # context size
     cap         = 32                            # output cap (generated tokens); required
     repeats     = 2                             # independent process repeats per coordinate
-    prompts     = ["HumanEval/2", "file:x.txt", "text:..."]
-    selectors   = ["EMPTY", "ALL", "L0_V", "my/sel.toml"]   # names on the selector path or .toml paths
+    prompts     = ["HumanEval/2", "file:x.txt", "chat:msg.txt", "text:..."]
+    selectors   = ["EMPTY", "ALL", "L0_V", "my/sel.toml", "../selectors/layers/*.toml"]
+                  # names on the selector path, .toml paths, or glob patterns (sorted matches)
     directions  = ["A->R", "R->A"]              # donor->recipient, arm names from [arms]
 
     [arms]                                      # arm name -> schedule (A, B, C, R or explicit)
@@ -134,7 +135,7 @@ def spec_from_data(data: dict, path: str | os.PathLike, check_model: bool = True
 
     # prompts: resolved now (a missing prompt fails here)
     prompt_specs = sf.str_list(data, "prompts", err, say_empty=True)
-    prompts = sf.resolve_prompts(prompt_specs, path, err)
+    prompts = sf.resolve_prompts(prompt_specs, path, err, common["model"])
     ids = [p.id for p in prompts]
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:
@@ -150,7 +151,7 @@ def spec_from_data(data: dict, path: str | os.PathLike, check_model: bool = True
     # selectors: loaded now (unknown names, malformed files, empty ranges fail here)
     search = sf.selector_search_dirs(path)
     selectors = {}
-    for s in sf.str_list(data, "selectors", err, say_empty=True):
+    for s in sf.expand_selector_patterns(sf.str_list(data, "selectors", err, say_empty=True), path, err):
         sel = sf.load_spec_selector(s, path, search, err)
         if sel.name in selectors:
             raise err(f"two selectors are named {sel.name!r}")

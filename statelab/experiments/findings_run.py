@@ -1,0 +1,295 @@
+"""Model work behind the findings tables, over a finished study folder: minimal sufficient
+selections and frontier panels for the study's class-B cells (paper S5.1-S5.3).
+
+A *class-B cell* is a (task, selector, direction) coordinate whose repeats all reproduce the
+donor.  Its selection is read back as a box (layers x component x position range) from its
+actual byte mask on the recipient's state and checked to be that mask byte for byte.
+
+* ``minimal``: :func:`statelab.analysis.minimal_sufficient_selection` inside the cell's box
+  (the cell's component; layers, then positions), each candidate a real subset cross.
+* ``panels``: a 2x2 frontier panel whose BOTH arm is the cell's selection: C1/C2 are its K
+  and V parts when it spans both components, else the lower and upper halves of its
+  position range (a one-position single-component cell has no panel).
+
+Each target is one unit of the engine (:mod:`statelab.experiments.executors`, the fork server):
+a fresh process loads the model and reads and verifies the captures, and every subset cross of
+its search or panel gets a fresh context.  Targets are ordered so that every task and
+direction is served in turn (named selectors before single-layer ones); no new target starts
+once the time budget is spent; every result is appended as one JSON line (durably) to
+``OUT/findings/minimal.jsonl`` or ``OUT/findings/panels.jsonl`` under the study folder's
+writer lock.  Running again resumes:
+finished targets are skipped.  One process repeat per target (say so where reported).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from statelab.analysis import frontier as F
+from statelab.analysis.classes import endpoint_class, minimal_sufficient_selection
+from statelab.errors import ConfigError
+from statelab.experiments.executors import Unit, execute
+from statelab.experiments.frontier_panels import frontier_rows, run_panels
+from statelab.experiments.matrix.cells import plan
+from statelab.experiments.matrix.results import load_dataset
+from statelab.experiments.matrix.store import CellLog, StudyDir
+from statelab.lab.archive import load_capture
+from statelab.lab.intervene import subset_cross
+from statelab.lab.receiver import Endpoint
+from statelab.runtime import Model, prepare_backend
+from statelab.selection import Selector, Term, load_selector, select
+
+KINDS = ("minimal", "panels")
+
+
+class FindingsError(ConfigError):
+    """A findings request that cannot be served, stated in one line."""
+
+
+def log_path(out, kind: str) -> Path:
+    return Path(out) / "findings" / f"{kind}.jsonl"
+
+
+def class_b_targets(ds, named_first: bool = True) -> list[dict]:
+    """(task, selector, direction) coordinates whose repeats all reproduce the donor, ordered
+    round-robin over (task, direction) with selectors in spec order (named before
+    ``L``-numbered single-layer selectors when ``named_first``)."""
+    k = ds["klass"].transpose("task", "selector", "direction", "repeat").values.astype(str)
+    all_b = np.all(k == "B", axis=-1)
+    sels = [str(s) for s in ds.selector.values]
+    order = sorted(range(len(sels)), key=lambda j: (named_first and _is_layer(sels[j]), j))
+    groups = []
+    for it, t in enumerate(ds.task.values):
+        for jd, d in enumerate(ds.direction.values):
+            groups.append([{"task": str(t), "selector": sels[js], "direction": str(d)}
+                           for js in order if all_b[it, js, jd]])
+    out, depth = [], 0
+    while any(depth < len(g) for g in groups):
+        out.extend(g[depth] for g in groups if depth < len(g))
+        depth += 1
+    return out
+
+
+def _is_layer(name: str) -> bool:
+    return len(name) >= 3 and name[0] == "L" and name[1:3].isdigit() and not name.startswith("L0_") and name != "L0"
+
+
+def target_key(t: dict) -> str:
+    return f"{t['task']}|{t['selector']}|{t['direction']}"
+
+
+def mask_box(selection, state) -> dict | None:
+    """The box (layers, component, [lo, hi) positions) a selection covers, or None when the
+    mask is empty.  The caller checks that the box selects exactly the same bytes."""
+    k_layers = np.array([m.any() for m in selection.k])
+    v_layers = np.array([m.any() for m in selection.v])
+    layers = np.flatnonzero(k_layers | v_layers)
+    if layers.size == 0:
+        return None
+    comp = "KV" if k_layers.any() and v_layers.any() else ("K" if k_layers.any() else "V")
+    cells = np.zeros(len(state.positions), dtype=bool)
+    for m in selection.k:
+        if m.any():
+            cells |= m.reshape(m.shape[0], -1).any(axis=1)
+    for m in selection.v:
+        if m.any():
+            cells |= (m.any(axis=0) if selection.v_trans else m.reshape(m.shape[0], -1).any(axis=1))
+    pos = np.asarray(state.positions)[cells]
+    return {"layers": [int(x) for x in layers], "component": comp,
+            "positions": [int(pos.min()), int(pos.max()) + 1]}
+
+
+def _box_selector(name: str, layers, component: str, positions):
+    return Selector(name, (Term(component=component, layers=tuple(int(x) for x in layers),
+                                positions=(int(positions[0]), int(positions[1]))),))
+
+
+def mask_sha256(selection) -> str:
+    return hashlib.sha256(np.packbits(selection.to_flat()).tobytes()).hexdigest()
+
+
+# ------------------------------------------------------------------ one target's process
+
+_W: dict = {}  # the unit's process: its model, the captures and selectors it has read
+
+
+def _load_model(job: dict) -> None:
+    if "model" in _W:
+        return
+    prepare_backend(job["backend"])
+    _W["model"] = Model(job["model_path"], backend=job["backend"])
+    if _W["model"].sha256 != job["model_sha256"]:
+        raise FindingsError(f"model {_W['model'].sha256[:12]} is not the study's {job['model_sha256'][:12]}")
+    _W["captures"] = {}
+    _W["selectors"] = {}
+
+
+def _capture(path: str):
+    c = _W["captures"]
+    if path not in c:
+        c[path] = load_capture(path)
+    return c[path]
+
+
+def _cell_selection(job: dict):
+    """The cell's selection on the recipient, its box and the box's own selection."""
+    recip = _capture(job["recipient_capture"])
+    src = job["selector_source"]
+    if src not in _W["selectors"]:
+        _W["selectors"][src] = load_selector(src, search_dirs=job["selector_dirs"])
+    sel = select(_W["selectors"][src], recip.state)
+    box = mask_box(sel, recip.state)
+    if box is None:
+        return sel, None, None
+    boxed = select(_box_selector("box", box["layers"], box["component"], box["positions"]), recip.state)
+    return sel, box, boxed
+
+
+def _minimal_job(job: dict) -> dict:
+    t0 = time.perf_counter()
+    model = _W["model"]
+    donor, recip = _capture(job["donor_capture"]), _capture(job["recipient_capture"])
+    nat_d, nat_r = Endpoint.from_dict(job["natural_donor"]), Endpoint.from_dict(job["natural_recipient"])
+    sel, box, boxed = _cell_selection(job)
+    rec = {k: job[k] for k in ("key", "task", "selector", "direction", "spec_hash")}
+    if box is None or not boxed.equals(sel):
+        return {**rec, "status": "skipped", "reason": "the selection is not one box of layers x component x positions"}
+    layers = box["layers"]
+    comp = box["component"]
+
+    def evaluate(ls, pr) -> bool:
+        s = select(_box_selector("candidate", [layers[i] for i in ls], comp, pr), recip.state)
+        ep, _ = subset_cross(model, donor, recip, s, job["cap"])
+        return endpoint_class(ep, nat_d, nat_r) == "B"
+
+    # layer indices into the cell's own layer list, so the search stays inside the cell
+    res = minimal_sufficient_selection(evaluate, len(layers), tuple(box["positions"]))
+    final_layers = [layers[i] for i in res.layers]
+    final = select(_box_selector("minimal", final_layers, comp, res.positions), recip.state)
+    return {**rec, "status": "ok", "found": bool(res.found), "start": box, "start_bytes": int(sel.selected_bytes),
+            "layers": final_layers, "component": comp, "positions": list(res.positions),
+            "n_layers": len(final_layers), "n_positions": int(res.positions[1] - res.positions[0]),
+            "selected_bytes": int(final.selected_bytes), "share": float(final.share),
+            "evaluations": res.n_evaluations, "seconds": time.perf_counter() - t0, "pid": os.getpid()}
+
+
+def panel_components(box: dict) -> tuple[tuple, tuple] | None:
+    """(C1, C2) boxes of the panel whose union is ``box``: K and V parts, else the position
+    halves; None when the box cannot be split (one component, one position)."""
+    if box["component"] == "KV":
+        return ((box["layers"], "K", box["positions"], "K"), (box["layers"], "V", box["positions"], "V"))
+    lo, hi = box["positions"]
+    if hi - lo < 2:
+        return None
+    mid = lo + (hi - lo) // 2
+    return ((box["layers"], box["component"], (lo, mid), f"pos[{lo},{mid})"),
+            (box["layers"], box["component"], (mid, hi), f"pos[{mid},{hi})"))
+
+
+def _panel_job(job: dict) -> dict:
+    t0 = time.perf_counter()
+    model = _W["model"]
+    donor, recip = _capture(job["donor_capture"]), _capture(job["recipient_capture"])
+    sel, box, boxed = _cell_selection(job)
+    rec = {k: job[k] for k in ("key", "task", "selector", "direction", "spec_hash")}
+    if box is None or not boxed.equals(sel):
+        return {**rec, "status": "skipped", "reason": "the selection is not one box of layers x component x positions"}
+    comps = panel_components(box)
+    if comps is None:
+        return {**rec, "status": "skipped", "reason": "one component at one position: no two-part split"}
+    (l1, c1, p1, n1), (l2, c2, p2, n2) = comps
+    s1, s2 = _box_selector(n1, l1, c1, p1), _box_selector(n2, l2, c2, p2)
+    pr = run_panels(model, donor, recip, {"P": (s1, s2)}, job["cap"])
+    traces = [F.ArmTrace(arm, 0, pr.runs[rid].tokens, pr.runs[rid].trace, model.sha256, recip.prompt_sha256,
+                         trace_id=rid) for arm, rid in pr.arms["P"].items()]
+    ds = F.analyse_panel(job["task"], job["recipient"], job["selector"], job["direction"], traces,
+                         components=(n1, n2))
+    row = frontier_rows(ds)[0]
+    row.pop("recipient", None)
+    row.pop("panel", None)
+    return {**rec, "status": "ok", "components": [n1, n2], "box": box,
+            "selected_bytes": {k: v["selected_bytes"] for k, v in pr.imports["P"].items()},
+            **{k: v for k, v in row.items() if k not in rec},
+            "seconds": time.perf_counter() - t0, "pid": os.getpid()}
+
+
+_JOBS = {"minimal": _minimal_job, "panels": _panel_job}
+
+
+def failed_job(job: dict, error: str) -> dict:
+    return {k: job[k] for k in ("key", "task", "selector", "direction", "spec_hash")} | {
+        "status": "failed", "error": " ".join(str(error).split())[:500]}
+
+
+def run_job(job: dict) -> dict:
+    """One target in its own process (the engine's unit function)."""
+    try:
+        _load_model(job)
+        return _JOBS[job["kind"]](job)
+    except Exception as e:  # a failed target is recorded, never silently dropped
+        return failed_job(job, f"{type(e).__name__}: {e}")
+
+
+JOB = Unit("statelab.experiments.findings_run:run_job", failed_job)
+
+
+# ------------------------------------------------------------------ driver
+
+
+def run_findings(out, kind: str, budget_s: float, workers: int = 2, limit: int | None = None,
+                 progress=None) -> dict:
+    """Run ``kind`` (minimal | panels) for the class-B cells of the study folder ``out``
+    within ``budget_s`` seconds of wall time (no new target starts after it); resumes."""
+    if kind not in KINDS:
+        raise FindingsError(f"unknown findings kind {kind!r}: use {' or '.join(KINDS)}")
+    if not budget_s > 0 or workers < 1:
+        raise FindingsError("the budget must be positive seconds and --workers at least 1")
+    sdir = StudyDir(out)
+    if not sdir.results_path.is_file():
+        raise FindingsError(f"{out}: no results.nc; run `statelab study run` (or `study report`) first")
+    t0 = time.perf_counter()
+    with sdir.writer(create=False):
+        spec = sdir.read_spec()
+        ds = load_dataset(sdir.results_path)
+        if ds.attrs.get("spec_hash") != spec["spec_hash"]:
+            raise FindingsError(f"{out}: results.nc is not compiled from this spec.json; run `statelab study report`")
+        tasks, _ = plan(spec, sdir, sdir.all_controls())
+        by_cell = {(t["prompt"], t["selector"], t["direction"]): t for t in tasks if t["repeat"] == 0}
+        targets = class_b_targets(ds)
+        log = CellLog(log_path(out, kind))
+        done = {r["key"] for r in log.records() if r.get("spec_hash") == spec["spec_hash"]
+                and r.get("status") in ("ok", "skipped")}
+        jobs = []
+        for t in targets:
+            task = by_cell.get((t["task"], t["selector"], t["direction"]))
+            if task is None or target_key(t) in done:
+                continue
+            jobs.append({**{k: task[k] for k in ("donor_capture", "recipient_capture", "natural_donor",
+                                                 "natural_recipient", "selector_source", "selector_dirs",
+                                                 "recipient", "spec_hash")},
+                         "cap": int(task["cap"]), "key": target_key(t), **t})
+        if limit is not None:
+            jobs = jobs[:limit]
+        counts = {"targets": len(targets), "done_before": len(done), "ran": 0, "ok": 0, "skipped": 0, "failed": 0}
+        deadline = t0 + budget_s
+        norm = spec["normalized"]
+        process = {"kind": kind, "model_path": spec["model_path"], "backend": norm["backend"],
+                   "model_sha256": norm["model_sha256"]}
+
+        def on_result(rec: dict) -> None:
+            log.append(rec)
+            counts["ran"] += 1
+            counts[rec["status"]] += 1
+            if progress is not None:
+                progress(rec)
+
+        if jobs:
+            execute([{**j, **process} for j in jobs], JOB, "local", workers, on_result,
+                    stop=lambda: time.perf_counter() >= deadline, error=FindingsError)
+        counts["not_started"] = len(jobs) - counts["ran"]
+        counts["seconds"] = time.perf_counter() - t0
+        return counts
