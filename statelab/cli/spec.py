@@ -75,6 +75,7 @@ def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see
     from rich.progress import Progress
 
     from statelab.experiments.campaign import CampaignSpec, plan, run_campaign
+    from statelab.report import campaign_page
 
     spec = CampaignSpec.load(spec_path, draft=draft, k=k, k_max=k_max)
     with Progress(console=console, transient=True) as prog:
@@ -84,8 +85,6 @@ def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see
         console.print(f"incomplete: {res['blocks_done']} of {res['blocks']} blocks in {out}; run the same command "
                       "again to continue")
         raise typer.Exit(3)
-    from statelab.report import campaign_page
-
     console.print(res["report"], markup=False, highlight=False)
     console.print(f"results: {out}/results.nc, {out}/report.md, {campaign_page(out, res['contrasts'], spec.threshold)}")
 
