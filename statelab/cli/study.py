@@ -21,12 +21,13 @@ app.add_typer(study_app, name="study")
 @study_app.command("run")
 def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)"),
               out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder (default runs/studies/NAME)"),
-              executor: str = typer.Option("local", "--executor", "-e", help="local (fork server), batch (one process per prompt, direction and repeat), local-spawn, dask-local or dask://HOST:PORT"),
+              executor: str = typer.Option("local", "--executor", "-e", help="local (fork server), batch (one "
+                                           "process per prompt, direction and repeat), local-spawn, dask-local or "
+                                           "dask://HOST:PORT"),
               workers: int = typer.Option(2, "--workers", "-w", help="cells running at once")):
     """Run (or resume) a study: controls per prompt, then every cell in a fresh process."""
     from statelab.experiments.matrix import run_study
     from statelab.experiments.matrix.progress import RichReporter
-
     from statelab.report import study_page
 
     s = run_study(spec, out, executor, workers, RichReporter(err), on_compiled=study_page)
@@ -44,8 +45,8 @@ def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)
 @study_app.command("report")
 def study_report(out: Path = typer.Argument(..., help="a study output folder")):
     """Recompile results.nc and report.md from cells.jsonl (no model needed)."""
-    from statelab.report import study_page
     from statelab.experiments.matrix import compile_study
+    from statelab.report import study_page
 
     ds, md = compile_study(out, on_compiled=study_page)  # the page too is written under the folder's lock
     n_ok = int((ds.status.values == "ok").sum())
