@@ -7,9 +7,13 @@ registers them on :data:`statelab.cli.common.app` in the order ``statelab --help
 :func:`main` turns every error a user can cause into one line and exit status 2."""
 from __future__ import annotations
 
+import _thread
+import signal
 import sys
+import threading
 
 import typer
+from typer._click.exceptions import ClickException  # typer's vendored click raises these
 
 from statelab.cli import doctor, lab, interop, partition, study, model, spec, frontier, audit  # noqa: F401 (order)
 from statelab.cli.common import app
@@ -24,10 +28,6 @@ def _keep_interrupts() -> None:
     """A Ctrl-C that lands while Python runs inside a ctypes callback (llama.cpp's log or
     eval callback) is swallowed there ("Exception ignored ..."): deliver it again shortly,
     until it lands outside a callback and unwinds the command."""
-    import _thread
-    import signal
-    import threading
-
     prev = sys.unraisablehook
 
     def again() -> None:
@@ -55,8 +55,6 @@ def _keep_interrupts() -> None:
 def main():
     """Run the CLI.  A usage error prints the usage line and exits 2; a StatelabError, an
     unreadable file or undecodable text prints one line and exits 2; Ctrl-C exits 130."""
-    from typer._click.exceptions import ClickException  # typer's vendored click raises these
-
     _keep_interrupts()
     try:
         rc = app(standalone_mode=False)  # an Exit (typer.Exit, Ctrl-C as Exit(130)) comes back as its code
