@@ -23,3 +23,9 @@ class DecodeError(StatelabError):
 
 class IdentityError(StatelabError):
     """A capture or archive does not belong to the model, geometry or backend it is used with."""
+
+
+def one_of(names) -> str:
+    """``"a, b or c"``: the valid choices in a message or a help text."""
+    names = [str(n) for n in names]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"

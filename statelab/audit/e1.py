@@ -36,9 +36,10 @@ import numpy as np
 
 from statelab.audit.capture import Geometry, check_layer, context_size, parse_node_name, run_graph
 from statelab.audit.oracles import ulp_distance
+from statelab.audit.outputs import write_report
 from statelab.errors import ConfigError, IdentityError
 from statelab.lab.formation import Schedule
-from statelab.paths import atomic_write_bytes, atomic_write_text, read_json_record
+from statelab.paths import atomic_write_bytes, atomic_write_netcdf, atomic_write_text, read_json_record
 from statelab.runtime import Context, ContextConfig, layouts as lay_api
 from statelab.runtime.layouts import ATTENTION_LAYOUTS
 
@@ -324,7 +325,7 @@ def run_e1(model, prompt_tokens, *, layers=None, phases=PHASES, qs=(1, 2, 3, 4),
     toks = np.asarray(prompt_tokens, dtype=np.int32)
     if len(toks) < max(qs):
         raise ConfigError(f"the prompt has {len(toks)} tokens, fewer than q={max(qs)}")
-    avail = {lo: (lo == "MQ" or lay_api.available()) for lo in layouts}
+    avail = {lo: (not lay_api.Layout(lo).needs_patch or lay_api.available()) for lo in layouts}
     cont = continuation_tokens(model, toks, max(qs), base_config) if "continuation" in phases else None
     runs: dict[tuple, PhaseRun] = {}
     for ph in phases:
@@ -514,6 +515,19 @@ def save_capture(cap: AttnCapture, identity: dict, path, meta: dict | None = Non
     return p
 
 
+def write_e1(out, md: str, ds, replay_ds, detail: dict, prompt_id: str) -> list[Path]:
+    """An E1 run into ``out``: report.md, results.nc, replay.nc (with a replay) and every
+    frozen attention capture under ``captures/L<layer>_<phase>_q<q>_<layout>``."""
+    written = write_report(out, md, ds)
+    if replay_ds is not None:
+        atomic_write_netcdf(Path(out) / "replay.nc", replay_ds)
+    for (ph, q, lo), r in detail["runs"].items():
+        for L, cap in r.captures.items():
+            save_capture(cap, r.identity, Path(out) / "captures" / f"L{L}_{ph}_q{q}_{lo}",
+                         {"prompt": prompt_id, "phase": ph})
+    return written
+
+
 def load_capture(path, model=None) -> tuple[AttnCapture, dict]:
     """Read a folder written by :func:`save_capture`; with `model`, refuse a capture of another model."""
     p = Path(path)
@@ -537,5 +551,5 @@ def load_capture(path, model=None) -> tuple[AttnCapture, dict]:
 
 
 __all__ = ["AttnCapture", "CAPTURE_FORMAT", "LAYOUTS", "NOT_AVAILABLE", "Operand", "PAIRS", "PHASES", "STAGES",
-           "continuation_tokens", "load_capture", "save_capture",
+           "continuation_tokens", "load_capture", "save_capture", "write_e1",
            "e1_markdown", "extract_attention", "run_e1", "run_phase", "view_maps_ok"]

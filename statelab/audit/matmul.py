@@ -26,6 +26,7 @@ import numpy as np
 from statelab.errors import ConfigError
 from statelab.models import model_sha256
 from statelab.runtime.ggml_ops import OpGraph, backend_devices, type_code, weight_buffer_types
+from statelab.runtime.native import devices_for_backend
 
 MAX_Q = 8
 SEED = 0
@@ -129,6 +130,11 @@ def audit_case(case: WeightCase, device, buft_name: str, buft, max_q: int = MAX_
     return out
 
 
+def audit_devices(backend: str) -> list:
+    """The devices a weight-product audit on ``backend`` asks: the CPU, then the backend's own."""
+    return [d for d in backend_devices() if d.type == "CPU"] + devices_for_backend(backend)
+
+
 def run_matmul_audit(model_path, devices=None, max_q: int = MAX_Q, max_rows: int = 1024,
                      threads: int | None = None):
     """Every weight case on every device and buffer type. Returns an xarray Dataset (dims case, q)."""
@@ -211,5 +217,5 @@ def repaired_everywhere(ds) -> bool:
     return bool(ds.repaired_equal.all("q").where(ds.computed, True).all())
 
 
-__all__ = ["MAX_Q", "WeightCase", "audit_case", "matmul_markdown", "repaired_everywhere", "run_matmul_audit",
-           "weight_cases"]
+__all__ = ["MAX_Q", "WeightCase", "audit_case", "audit_devices", "matmul_markdown", "repaired_everywhere",
+           "run_matmul_audit", "weight_cases"]

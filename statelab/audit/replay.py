@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from statelab.audit.capture import VIEW_OPS, parse_node_name
-from statelab.audit.e1 import AttnCapture, LAYOUTS, PAIRS, STAGES, _diff, _f32
-from statelab.errors import ConfigError
+from statelab.audit.capture import VIEW_OPS, Geometry, check_layer, name_layer, parse_node_name, run_graph
+from statelab.audit.e1 import MAX_Q, AttnCapture, LAYOUTS, PAIRS, STAGES, _diff, _f32, extract_attention
+from statelab.errors import ConfigError, one_of
+from statelab.lab.formation import Schedule
 from statelab.runtime.ggml_ops import OpGraph, backend_devices
 
 REPLAY_OPS = ("MUL_MAT", "SOFT_MAX", "RMS_NORM", "MUL", "ADD")
@@ -325,5 +326,53 @@ def ops_markdown(rows: list[OpReplay]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["OpReplay", "REPLAY_OPS", "ops_markdown", "replay_attention", "replay_e1", "replay_markdown",
-           "replay_node", "replay_ops"]
+def replay_layer(model, tokens, layer: int, q: int, layout: str, base_config=None, device=None,
+                 threads: int | None = None) -> tuple[list[OpReplay], AttnCapture, str]:
+    """The first ``q`` prompt tokens in one micro-batch built natively as ``layout``: every
+    captured operator call of ``layer`` replayed (:func:`replay_ops`), and the layer's frozen
+    attention operands; returns (rows, capture, layout)."""
+    check_layer(model, layer)
+    if isinstance(q, bool) or not 1 <= q <= MAX_Q:
+        raise ConfigError(f"--q must be in 1..{MAX_Q} (occupied queries), got {q}")
+    if len(tokens) < q:
+        raise ConfigError(f"the prompt has {len(tokens)} tokens, fewer than q={q}")
+    lay = layout.strip().upper()
+    if lay not in LAYOUTS:
+        raise ConfigError(f"unknown attention layout {layout!r}; use {one_of(LAYOUTS)}")
+
+    def mine(name):
+        return name_layer(name) == layer
+
+    run = run_graph(model, tokens[:q], Geometry(Schedule(f"q{q}", (q,), q, 512), lay), base_config, want=mine,
+                    want_srcs=mine, logits="all")
+    return replay_ops(run, layer, device, threads), extract_attention(run, layer), lay
+
+
+def replay_report(title: str, rows: list[OpReplay], cap: AttnCapture, device=None, threads: int | None = None) -> str:
+    """Markdown of an operator replay (:func:`ops_markdown`, when there are rows) and of the
+    capture's attention operands replayed as every layout, each stage compared with the
+    native output."""
+    lines = [f"# Replay: {title}", ""]
+    if rows:
+        lines.append(ops_markdown(rows))
+    lines += ["## Attention operands replayed as MQ / PQ / QB", "",
+              "| layout | qk | softmax | av |", "| --- | --- | --- | --- |"]
+    results = {}
+    for lo in LAYOUTS:
+        results[lo] = replay_attention(cap, lo, device, threads)
+        cells = []
+        for s in STAGES:
+            a, b = results[lo][s], cap.outputs[s]
+            if a.tobytes() == b.tobytes():
+                cells.append("= native")
+            else:
+                fin = np.isfinite(a) & np.isfinite(b)
+                cells.append(f"≠ native (max abs diff {float(np.abs(a[fin].astype(np.float64) - b[fin]).max()):.3g})")
+        lines.append(f"| {lo} | " + " | ".join(cells) + " |")
+    lines.append(f"\nNative capture was built as {cap.layout}; PQ vs QB replay bitwise equal at every stage: "
+                 f"{all(results['PQ'][s].tobytes() == results['QB'][s].tobytes() for s in STAGES)}.")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["OpReplay", "REPLAY_OPS", "ops_markdown", "replay_attention", "replay_e1", "replay_layer",
+           "replay_markdown", "replay_node", "replay_ops", "replay_report"]

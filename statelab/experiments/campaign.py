@@ -521,3 +521,11 @@ def mask_markdown(res: dict, prompts_: list[str]) -> str:
                      + f" | {'Y' if res['passing'][m] else 'n'} |")
     lines.append(f"\ninclusion-minimal passing masks: {res['minimal'] or 'none'}\n")
     return "\n".join(lines)
+
+
+def write_masks(out, res: dict, md: str) -> None:
+    """A phase-mask experiment into ``out``: ``masks.md`` and ``masks.json`` (records last)."""
+    out = Path(out)
+    atomic_write_text(out / "masks.md", md)
+    atomic_write_text(out / "masks.json", json.dumps({k: v for k, v in res.items() if k != "records"}
+                                                     | {"records": res["records"]}, indent=1, default=str))

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from statelab.analysis.classes import endpoint_class, first_difference, kv_profile_dataset, trajectory_classes
 from statelab.analysis.frontier import _top_two
 from statelab.kvstate import compare
-from statelab.lab.formation import Schedule
-from statelab.lab.intervene import cross, natural, sham
-from statelab.lab.receiver import DEFAULT_CAP
+from statelab.lab.formation import PRESETS, Schedule, parse_schedule, partition_sweep, prefill
+from statelab.lab.intervene import config_of, cross, natural, sham
+from statelab.lab.receiver import DEFAULT_CAP, continue_greedy
+from statelab.runtime import Context
 
 
 @dataclass
@@ -78,6 +79,24 @@ def study_prompt(model, prompt, arms: dict[str, Schedule], base, cap: int = DEFA
                 if progress:
                     progress()
     return res
+
+
+def sham_control(model, capture, cap: int = DEFAULT_CAP):
+    """A capture's sham next to its natural endpoint, re-formed with the same schedule in a
+    context of the capture's configuration: (sham endpoint, first differing output or None)."""
+    s = sham(model, capture, cap)
+    with Context(model, config_of(capture)) as ctx:
+        logits = prefill(ctx, capture.tokens, capture.schedule)
+        nat = continue_greedy(ctx, logits, capture.n_prompt, cap)
+    return s, first_difference(nat.tokens, s.tokens)
+
+
+def sweep_schedules(model, prompt, schedules: str | None = None) -> list[Schedule]:
+    """The schedules of a partition sweep: a comma list, or by default A then the partition
+    sweep of the prompt's length."""
+    if schedules:
+        return [parse_schedule(s) for s in schedules.split(",")]
+    return [PRESETS["A"]] + partition_sweep(len(model.tokenize(prompt.text)))
 
 
 def sweep(model, prompt, schedules: list[Schedule], base, cap: int = DEFAULT_CAP, progress=None) -> dict:

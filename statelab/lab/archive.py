@@ -222,6 +222,16 @@ def check_replaceable_capture(dest: str | os.PathLike) -> None:
     _check_replaceable(dest, FORMAT)  # and nothing in it but the capture's own files
 
 
+def check_capture_dest(dest: str | os.PathLike, overwrite: bool = False) -> None:
+    """Before forming a state for a user's output path: with ``overwrite`` an existing
+    ``dest`` must be a capture that verifies, without it ``dest`` must not exist."""
+    dest = Path(dest)
+    if overwrite:
+        check_replaceable_capture(dest)
+    elif dest.exists() or dest.is_symlink():
+        raise ArchiveError(f"output already exists: {dest} (choose another path, or --overwrite to replace a capture)")
+
+
 def check_importable(cap: Capture, model, config, allow_other_backend: bool = False) -> None:
     """Refuse to import a capture into a context it does not belong to."""
     ident = cap.identity

@@ -13,7 +13,7 @@ from statelab.kvstate import KV_TYPE_NAMES, is_quantised
 from statelab.limits import check_threads, check_tokens
 from statelab.models import ModelInfo, read_model_info, resolve_model
 from statelab.runtime.closing import Closing
-from statelab.runtime.native import BACKENDS, build_identity, devices_for_backend, ggml_lib, llama, prepare_backend
+from statelab.runtime.native import build_identity, check_backend, devices_for_backend, ggml_lib, llama, prepare_backend
 
 KV_TYPES = dict(KV_TYPE_NAMES)  # f32, f16, bf16, q8_0 -> ggml type
 
@@ -35,8 +35,7 @@ class ContextConfig:
     n_seq_max: int = 1
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        check_backend(self.backend)
         for name in ("n_ctx", "n_batch", "n_ubatch"):
             check_tokens(name, getattr(self, name))
         check_threads("the thread count", self.n_threads)

@@ -20,15 +20,20 @@ IDENTITY_FILE = "statelab_build.json"
 INSTALL_HINT = "run ./install.sh (or: python native/build.py --backend cpu) to build it"
 
 
+def check_backend(backend: str) -> str:
+    """``backend`` when it is one of :data:`BACKENDS`; ConfigError naming them otherwise."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    return backend
+
+
 def prepare_backend(backend: str) -> None:
     """Set what must be set before ggml registers its backends.
 
     llama.cpp ignores CPU-type Vulkan devices (lavapipe) unless GGML_VK_VISIBLE_DEVICES
     names them; the variable is read once, when the Vulkan backend registers.
     """
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend == "vulkan":
+    if check_backend(backend) == "vulkan":
         os.environ.setdefault("GGML_VK_VISIBLE_DEVICES", "0")
 
 

@@ -51,7 +51,8 @@ LAYOUT_NAMES = tuple(x.value for x in SPEC_LAYOUTS)
 TARGET_PREFILL, TARGET_CONT, DRAFT_PREFILL, DRAFT_CONT = 1, 2, 4, 8
 PHASE_BITS = {("target", "prefill"): TARGET_PREFILL, ("target", "continuation"): TARGET_CONT,
               ("draft", "prefill"): DRAFT_PREFILL, ("draft", "continuation"): DRAFT_CONT}
-ARM_RE = re.compile(r"^(R|M0|C0|[MC]_(QB|PQ|GS|QB\+W|PQ\+W))$")
+# R, M0 and C0 run native MQ; M_<layout> and C_<layout> name any other arm layout
+ARM_RE = re.compile(r"^(R|M0|C0|[MC]_(" + "|".join(re.escape(x) for x in LAYOUT_NAMES if x != Layout.MQ) + "))$")
 
 
 def check_mask(mask: int) -> int:

@@ -1,0 +1,69 @@
+"""Partition studies on a few prompts: ``sweep`` and ``demo``.
+
+The experiment modules are imported inside each command (they load llama_cpp and xarray)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from statelab.cli.common import (BackendOpt, CapOpt, CtxOpt, HumanEvalOpt, ModelOpt, PromptFileOpt, PromptOpt,
+                                 ThreadsOpt, app, console, err, prompt_of, setup)
+from statelab.paths import atomic_write_text
+
+
+@app.command()
+def sweep(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEvalOpt,
+          prompt_file: Optional[Path] = PromptFileOpt, schedules: Optional[str] = typer.Option(
+              None, "--schedules", help="comma list (default: A then the partition sweep)"),
+          cap: int = CapOpt, model: Optional[Path] = ModelOpt, backend: str = BackendOpt,
+          threads: int = ThreadsOpt, n_ctx: int = CtxOpt,
+          json_out: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON")):
+    """Partition sweep of one prompt: endpoints, first difference from the first schedule, classes."""
+    from rich.markup import escape
+    from rich.progress import Progress
+
+    from statelab.experiments.partition import sweep as run_sweep, sweep_schedules
+    from statelab.lab.receiver import check_cap
+
+    check_cap(cap)
+    p = prompt_of(prompt, humaneval, prompt_file)
+    m, base = setup(model, backend, threads, n_ctx)
+    scheds = sweep_schedules(m, p, schedules)
+    with Progress(console=console, transient=True) as prog:
+        task = prog.add_task("schedules", total=len(scheds))
+        res = run_sweep(m, p, scheds, base, cap, progress=lambda: prog.advance(task))
+    t = Table(title=f"partition sweep {p.id} ({res['rows'][0]['n_prompt']} tokens, cap {cap}, {backend})")
+    for col in ("schedule", "kv", "logits", "len", "stop", "first diff"):
+        t.add_column(col)
+    for r in res["rows"]:
+        t.add_row(escape(r["describe"]), r["kv_sha256"], r["logits_sha256"], str(r["length"]), r["stop"],
+                  "=" if r["first_diff"] is None else str(r["first_diff"]))
+    console.print(t)
+    console.print("endpoint classes: " + " | ".join(", ".join(c) for c in res["endpoint_classes"]))
+    console.print("state classes:    " + " | ".join(", ".join(c) for c in res["state_classes"]))
+    if json_out:
+        atomic_write_text(json_out, json.dumps(res, indent=2))
+
+
+@app.command()
+def demo(model: Optional[Path] = ModelOpt, backend: str = BackendOpt, cap: int = CapOpt,
+         tasks: Optional[str] = typer.Option(None, help="comma list of prompts (default: HumanEval/0,2,10 on cpu; "
+                                             "10,20,86 elsewhere, all longer than B's 128-token split)"),
+         threads: int = ThreadsOpt, out: Path = typer.Option(Path("runs/demo"), help="report folder"),
+         matrix: bool = typer.Option(True, "--matrix/--no-matrix", help="run the 12-selector matrix (both "
+                                     "directions, 2 repeats) and the frontier panels where it finds donor effects"),
+         matrix_cap: int = typer.Option(48, help="output cap of the selector matrix and frontier panels")):
+    """The main job: a partition study on a few HumanEval prompts (natural arms, shams,
+    whole-KV crosses both ways) with arms that differ on this backend."""
+    from statelab.experiments import demo as demo_mod
+
+    rows = demo_mod.run(console, model, backend, cap, (tasks or demo_mod.default_tasks(backend)).split(","), threads,
+                        out, frontier_cap=matrix_cap, matrix=matrix, matrix_cap=matrix_cap)
+    bad = demo_mod.failed_controls(rows, out)
+    if bad:
+        err.print(f"FAILED CONTROL: {'; '.join(bad)}", markup=False, highlight=False)
+        raise typer.Exit(1)
