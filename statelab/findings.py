@@ -258,6 +258,8 @@ def non_monotone(run: RunData, masks_for=None) -> tuple[list[dict], list[dict]]:
             d = str(d)
             outcomes = {s: str(agreed.sel(task=t, selector=s, direction=d).item()) for s in names}
             outcomes = {s: k for s, k in outcomes.items() if k}
+            if not outcomes:  # no repeat-agreeing result yet (pending or withheld): not a coordinate
+                continue
             found, examined = non_monotone_in({s: masks[s] for s in names}, outcomes)
             pairs += [{"run": run.name, "task": t, "direction": d, **p} for p in found]
             denominators.append({"run": run.name, "task": t, "direction": d, "b_selections":
@@ -400,10 +402,14 @@ def markdown(f: Findings) -> str:
     out.append("\n## 4. Non-monotone sufficiency\n")
     tot_ex = sum(d["examined"] for d in f.nonmono_denominators)
     coords = sum(1 for d in f.nonmono_denominators if d["non_monotone"])
+    distinct = len({(p["run"], p["task"], p["direction"], p["small_mask_sha256"], p["large_mask_sha256"])
+                    for p in f.nonmono_pairs})
     out.append(f"Pairs (smaller, strict superset) on the inclusion lattice of the actual byte masks, where the "
                f"smaller selection reproduces the donor (B in every repeat) and the superset does not (C or D in "
                f"every repeat). Found {_share(len(f.nonmono_pairs), tot_ex)} of the (B selection, superset) pairs "
-               f"examined, at {coords} of {len(f.nonmono_denominators)} (task, direction) coordinates. Proof of "
+               f"examined, at {coords} of {len(f.nonmono_denominators)} (task, direction) coordinates with results; "
+               f"{distinct} of them are distinct (smaller mask, larger mask) pairs (selectors with identical masks, "
+               f"e.g. PREFIX_V and V_ALL on a prompt of at most 128 tokens, count once there). Proof of "
                "inclusion per pair: the smaller mask's values outside the larger one (0) and both masks' sha256 "
                "(packed bits over the recipient state's K then V arrays) in `findings.json`.\n")
     by_cls = Counter(p["large_class"] for p in f.nonmono_pairs)
