@@ -34,7 +34,7 @@ import xarray as xr
 
 from .analysis import endpoint_key, selector_lattice
 from .errors import ConfigError
-from .paths import atomic_write_text
+from .paths import atomic_path, atomic_write_text
 
 MAGNITUDES = (("max_abs", "max abs d"), ("l2_rel", "L2 rel"), ("first_differing_layer", "first differing layer"))
 
@@ -495,12 +495,30 @@ def write(runs_dirs, out) -> tuple[Path, Findings]:
     md += "\n## Figures\n\n" + "\n".join(f"![{n}](figures/{n}.png)" for n in figs) + "\n"
     atomic_write_text(out / "findings.json", json.dumps(f.as_dict(), indent=1, sort_keys=True, default=float))
     if f.natural:
-        from .paths import atomic_path
-
         with atomic_path(out / "findings.nc") as tmp:
             natural_dataset(f).to_netcdf(tmp, engine="netcdf4")
+    for run in runs:  # the studies' own results, compact enough to keep beside the tables
+        with atomic_path(out / f"{run.name}-results.nc") as tmp:
+            compact_results(run.ds, tmp)
+        report = run.root / "report.md"
+        if report.is_file():
+            atomic_write_text(out / f"{run.name}-report.md", report.read_text())
     atomic_write_text(out / "findings.md", md)
     return out / "findings.md", f
+
+
+def compact_results(ds: xr.Dataset, path) -> None:
+    """``ds`` as NetCDF with every variable deflated (level 9) and string variables stored as
+    fixed-width bytes (HDF5 cannot deflate variable-length strings): the same values, a
+    twentieth of the size for a study's results.nc."""
+    ds = ds.copy()
+    enc = {}
+    for v in ds.data_vars:
+        if ds[v].dtype.kind in "OU":
+            width = max(1, max((len(str(x)) for x in ds[v].values.ravel()), default=1))
+            ds[v] = ds[v].astype(f"S{width}")
+        enc[v] = {"zlib": True, "complevel": 9}
+    ds.to_netcdf(path, engine="netcdf4", encoding=enc)
 
 
 def natural_dataset(f: Findings) -> xr.Dataset:
