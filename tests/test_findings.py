@@ -217,6 +217,11 @@ def test_findings_path_on_real_model(tmp_path):
     ds = xr.open_dataset(out / "findings.nc")
     assert ds.sizes["row"] == 2
     ds.close()
+    full = xr.open_dataset(run / "results.nc").load()
+    compact = xr.open_dataset(out / "findings-ci-results.nc").load()
+    assert (compact.klass.values.astype(str) == full.klass.values.astype(str)).all()
+    assert np.array_equal(compact.l2_rel.values, full.l2_rel.values, equal_nan=True)
+    assert (out / "findings-ci-report.md").read_text() == (run / "report.md").read_text()
 
 
 def test_findings_cli_errors_are_one_line(tmp_path):

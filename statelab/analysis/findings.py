@@ -255,6 +255,8 @@ def non_monotone(run: RunData, masks_for=None) -> tuple[list[dict], list[dict]]:
             d = str(d)
             outcomes = {s: str(agreed.sel(task=t, selector=s, direction=d).item()) for s in names}
             outcomes = {s: k for s, k in outcomes.items() if k}
+            if not outcomes:  # no repeat-agreeing result yet (pending or withheld): not a coordinate
+                continue
             found, examined = non_monotone_in({s: masks[s] for s in names}, outcomes)
             pairs += [{"run": run.name, "task": t, "direction": d, **p} for p in found]
             denominators.append({"run": run.name, "task": t, "direction": d, "b_selections":
@@ -397,10 +399,14 @@ def markdown(f: Findings) -> str:
     out.append("\n## 4. Non-monotone sufficiency\n")
     tot_ex = sum(d["examined"] for d in f.nonmono_denominators)
     coords = sum(1 for d in f.nonmono_denominators if d["non_monotone"])
+    distinct = len({(p["run"], p["task"], p["direction"], p["small_mask_sha256"], p["large_mask_sha256"])
+                    for p in f.nonmono_pairs})
     out.append(f"Pairs (smaller, strict superset) on the inclusion lattice of the actual byte masks, where the "
                f"smaller selection reproduces the donor (B in every repeat) and the superset does not (C or D in "
                f"every repeat). Found {_share(len(f.nonmono_pairs), tot_ex)} of the (B selection, superset) pairs "
-               f"examined, at {coords} of {len(f.nonmono_denominators)} (task, direction) coordinates. Proof of "
+               f"examined, at {coords} of {len(f.nonmono_denominators)} (task, direction) coordinates with results; "
+               f"{distinct} of them are distinct (smaller mask, larger mask) pairs (selectors with identical masks, "
+               f"e.g. PREFIX_V and V_ALL on a prompt of at most 128 tokens, count once there). Proof of "
                "inclusion per pair: the smaller mask's values outside the larger one (0) and both masks' sha256 "
                "(packed bits over the recipient state's K then V arrays) in `findings.json`.\n")
     by_cls = Counter(p["large_class"] for p in f.nonmono_pairs)
@@ -484,8 +490,28 @@ def write(runs_dirs, out) -> tuple[Path, Findings]:
     if f.natural:
         with atomic_path(out / "findings.nc") as tmp:
             natural_dataset(f).to_netcdf(tmp, engine="netcdf4")
+    for run in runs:  # the studies' own results, compact enough to keep beside the tables
+        with atomic_path(out / f"{run.name}-results.nc") as tmp:
+            compact_results(run.ds, tmp)
+        report = run.root / "report.md"
+        if report.is_file():
+            atomic_write_text(out / f"{run.name}-report.md", report.read_text())
     atomic_write_text(out / "findings.md", md)
     return out / "findings.md", f
+
+
+def compact_results(ds: xr.Dataset, path) -> None:
+    """``ds`` as NetCDF with every variable deflated (level 9) and string variables stored as
+    fixed-width bytes (HDF5 cannot deflate variable-length strings): the same values, a
+    twentieth of the size for a study's results.nc."""
+    ds = ds.copy()
+    enc = {}
+    for v in ds.data_vars:
+        if ds[v].dtype.kind in "OU":
+            width = max(1, max((len(str(x)) for x in ds[v].values.ravel()), default=1))
+            ds[v] = ds[v].astype(f"S{width}")
+        enc[v] = {"zlib": True, "complevel": 9}
+    ds.to_netcdf(path, engine="netcdf4", encoding=enc)
 
 
 def natural_dataset(f: Findings) -> xr.Dataset:
