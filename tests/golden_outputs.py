@@ -148,9 +148,10 @@ def _campaign_md(s: str, paths) -> list[str]:
     return keep
 
 
-def run(kind: str, out: Path, python: str = sys.executable, env: dict | None = None) -> Path:
-    """Run one of the three with the ``statelab`` that ``python`` imports (PYTHONPATH decides)."""
-    cmd = [python, "-m", "statelab.cli", *STUDIES[kind][:2], str(REPO / STUDIES[kind][2]), "--out", str(out)]
+def run(kind: str, out: Path, python: str = sys.executable, env: dict | None = None, extra: tuple = ()) -> Path:
+    """Run one of the three with the ``statelab`` that ``python`` imports (PYTHONPATH decides);
+    ``extra``: more command-line options (e.g. another executor)."""
+    cmd = [python, "-m", "statelab.cli", *STUDIES[kind][:2], str(REPO / STUDIES[kind][2]), "--out", str(out), *extra]
     e = dict(os.environ if env is None else env)
     e.setdefault("STATELAB_THREADS", "1")
     r = subprocess.run(cmd, cwd=str(REPO), env=e, capture_output=True, text=True)

@@ -26,3 +26,13 @@ def test_outputs_equal_the_golden_files(kind, tmp_path):
     assert sorted(got) == sorted(want), f"{kind}: other files: {sorted(set(got) ^ set(want))}"
     for name in want:
         assert got[name] == want[name], f"{kind}/{name} differs:\n{_diff(want[name], got[name])}"
+
+
+def test_batch_executor_gives_the_golden_study(tmp_path):
+    """The opt-in batch executor (one process per prompt, direction and repeat, a fresh context
+    per cell) gives the same records and reports as the golden per-cell processes."""
+    want = json.loads((GOLDEN / "ci.json").read_text())
+    got = normalise(run("ci", tmp_path / "ci", extra=("--executor", "batch")), "ci")
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name] == want[name], f"ci/{name} differs under --executor batch:\n{_diff(want[name], got[name])}"
