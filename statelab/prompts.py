@@ -71,25 +71,25 @@ def from_file(path: str | Path) -> Prompt:
     return Prompt(f"file:{p.name}", text, str(p))
 
 
-def chat(path: str | Path, model=None) -> Prompt:
+def chat(path: str | Path, model=None, backend: str = "cpu") -> Prompt:
     """A user message from a text file with the model's chat template applied (llama.cpp's
     ``llama_chat_apply_template`` on the GGUF's template, ending with the assistant opener).
     Its id is ``chat:<file name>``; its sha256 is that of the rendered text."""
     from statelab.runtime.chat import apply_chat_template  # the runtime (llama_cpp): only chat prompts need it
 
     message = from_file(path)
-    text = apply_chat_template([("user", message.text)], model)
+    text = apply_chat_template([("user", message.text)], model, backend=backend)
     return Prompt(f"chat:{Path(path).name}", text, f"{message.source} (chat template of {Path(str(model)).name if model else 'the embedded model'})")
 
 
-def resolve(spec: str, model=None) -> Prompt:
+def resolve(spec: str, model=None, backend: str = "cpu") -> Prompt:
     """Turn a prompt spec (see module doc) into a Prompt; ``model`` (a GGUF path, None: the
-    embedded model) only matters for ``chat:`` prompts."""
+    embedded model) and ``backend`` (the calling process's) only matter for ``chat:`` prompts."""
     s = str(spec)
     if s.startswith("file:"):
         return from_file(s[5:])
     if s.startswith("chat:"):
-        return chat(s[5:], model)
+        return chat(s[5:], model, backend)
     if s.startswith("text:"):
         return Prompt("text:" + hashlib.sha256(s[5:].encode()).hexdigest()[:12], s[5:], "literal")
     if s.lower().startswith("humaneval") or s.isdigit() or s.startswith("/"):

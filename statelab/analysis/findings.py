@@ -1,7 +1,7 @@
 """The paper's findings as tables with their denominators, over one or more study folders
 (paper 6.2, S5.1-S5.3).  No model: everything comes from each folder's spec.json,
 controls, results.nc, archived captures (byte masks, read verified) and the
-``findings/minimal.jsonl`` / ``findings/panels.jsonl`` logs of :mod:`statelab.findings_run`.
+``findings/minimal.jsonl`` / ``findings/panels.jsonl`` logs of :mod:`statelab.experiments.findings_run`.
 
 Tables (each states what it counts and out of what):
 
@@ -145,9 +145,9 @@ def best_threshold(values, diverges) -> dict:
     x = np.asarray(values, dtype=np.float64)
     y = np.asarray(diverges, dtype=bool)
     if x.shape != y.shape or x.ndim != 1 or x.size == 0:
-        raise ValueError("need equal-length, non-empty 1-D values and labels")
+        raise FindingsInputError("need equal-length, non-empty 1-D values and labels")
     if not np.all(np.isfinite(x)):
-        raise ValueError("values must be finite")
+        raise FindingsInputError("values must be finite")
     order = np.argsort(x, kind="stable")
     xs, ys = x[order], y[order]
     # cut k (0..n) puts xs[:k] below and xs[k:] above; only cuts between distinct values are real

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from statelab.cli.common import (BackendOpt, CapOpt, CtxOpt, HumanEvalOpt, JsonOpt, ModelOpt, PromptFileOpt,
@@ -37,7 +38,7 @@ def generate(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
     if json_out:
         console.print_json(json.dumps({"prompt": p.id, "n_prompt": capture.n_prompt, **ep.as_dict()}))
         return
-    console.print(f"[bold]{p.id}[/bold] ({capture.n_prompt} prompt tokens, schedule {schedule}, {backend})")
+    console.print(f"[bold]{escape(p.id)}[/bold] ({capture.n_prompt} prompt tokens, schedule {escape(schedule)}, {backend})")
     console.print(m.detokenize(ep.tokens), markup=False, highlight=False)
     console.print(f"[dim]{ep.length} tokens, stop: {ep.stop_reason}, {ep.length / dt:.1f} tokens/s "
                   f"(prefill included)[/dim]")

@@ -77,7 +77,7 @@ class CampaignSpec:
             raise ConfigError("a campaign needs the reference arm R for qualification")
         seen: dict[str, str] = {}
         for p in self.prompts:
-            key = prompt_key(prompts.resolve(p))
+            key = prompt_key(prompts.resolve(p, self.model, self.backend))
             if key in seen:
                 raise ConfigError(f"prompts {seen[key]!r} and {p!r} are the same prompt ({key})")
             seen[key] = p
@@ -96,7 +96,7 @@ class CampaignSpec:
     def prompt_table(self) -> list[tuple[str, str]]:
         """(spec string, prompt key) in the spec's order."""
 
-        return [(p, prompt_key(prompts.resolve(p))) for p in self.prompts]
+        return [(p, prompt_key(prompts.resolve(p, self.model, self.backend))) for p in self.prompts]
 
 
 def prompt_key(prompt) -> str:
@@ -170,7 +170,7 @@ def _worker(job: dict) -> list[dict]:
 
     cfg = SpecConfig(**job["cfg"])
     runner = load_runner(job["model"], job["draft"], cfg)
-    p = prompts.resolve(job["prompt"])
+    p = prompts.resolve(job["prompt"], job["model"], cfg.backend)
     out = []
     for i in range(job["repeats"]):
         r = runner.run(job["arm"], p, warmup=(i == 0))

@@ -57,9 +57,14 @@ class Unit:
     batch_key: Callable[[dict], tuple] | None = None  # tasks with the same key run in one batch
 
 
-def check_executor(executor: str, workers: int, error: type[Exception] = ConfigError) -> str:
+def check_executor(executor: str, workers: int, error: type[Exception] = ConfigError,
+                   batch_ok: bool = False) -> str:
+    """The executor name, checked before any work (``batch_ok``: the kind's units can run in
+    batches, i.e. its ``Unit`` has ``batch`` and ``batch_key``)."""
     if not isinstance(workers, int) or workers < 1:
         raise error(f"--workers must be a positive integer, got {workers!r}")
+    if executor == "batch" and not batch_ok:
+        raise error("the batch executor runs study cells only: use local, local-spawn or a Dask executor")
     if executor in EXECUTORS:
         return executor
     m = _DASK_ADDR.match(executor or "")
@@ -98,7 +103,7 @@ def run_spawned(unit: Unit, task: dict, timeout: float | None = None) -> dict:
     try:
         proc = subprocess.run([sys.executable, "-m", "statelab.experiments.worker"],
                               input=json.dumps({"fn": unit.fn, "task": task}), capture_output=True, text=True,
-                              env=env, timeout=timeout)
+                              errors="replace", env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         return unit.failed(task, f"the unit's process ran past {timeout} s and was killed")
     except OSError as e:
@@ -124,7 +129,8 @@ def run_forked(server: ForkServer, unit: Unit, task: dict, timeout: float | None
     return _timed(rec, fork_s=info.fork_s, process_s=info.run_s, subprocess_s=info.wall_s)
 
 
-def run_batch(unit: Unit, tasks: list[dict], on_result: Callable[[dict], None]) -> None:
+def run_batch(unit: Unit, tasks: list[dict], on_result: Callable[[dict], None],
+              interrupted: threading.Event | None = None) -> None:
     """Run a batch of tasks in one new process (``python -m unit.batch``: a JSON list of tasks
     on stdin, one marked record line per task on stdout as it finishes), passing each record
     on as its line arrives; tasks without a record become failed records."""
@@ -133,7 +139,8 @@ def run_batch(unit: Unit, tasks: list[dict], on_result: Callable[[dict], None]) 
     pending = {t["key"]: t for t in tasks}
     try:
         proc = subprocess.Popen([sys.executable, "-m", unit.batch], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                                env=env)
     except OSError as e:
         for t in tasks:
             on_result(unit.failed(t, f"cannot start the batch process: {e}"))
@@ -142,8 +149,11 @@ def run_batch(unit: Unit, tasks: list[dict], on_result: Callable[[dict], None]) 
         err_lines: list[str] = []
         reader = threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True)
         reader.start()
-        proc.stdin.write(json.dumps(tasks))
-        proc.stdin.close()
+        try:
+            proc.stdin.write(json.dumps(tasks))
+            proc.stdin.close()
+        except BrokenPipeError:  # the process died before reading its tasks: reported below
+            pass
         for line in proc.stdout:
             if not line.startswith(MARKER):
                 continue
@@ -155,6 +165,8 @@ def run_batch(unit: Unit, tasks: list[dict], on_result: Callable[[dict], None]) 
                 on_result(rec)
         proc.wait()
         reader.join(timeout=5)
+    if interrupted is not None and interrupted.is_set():
+        return  # the run was interrupted (Ctrl-C reached the batch too): its cells stay pending
     tail = " | ".join("".join(err_lines).strip().splitlines()[-3:])
     for t in pending.values():
         on_result(unit.failed(t, f"the batch process exited with status {proc.returncode} before this cell: {tail}"))
@@ -165,17 +177,20 @@ def _run_batches(unit: Unit, tasks: list[dict], workers: int, on_result: Callabl
     for t in tasks:
         groups.setdefault(unit.batch_key(t), []).append(t)
     lock = threading.Lock()
+    interrupted = threading.Event()
 
     def deliver(rec: dict) -> None:
         with lock:  # the runner's log is written by one thread at a time
-            on_result(rec)
+            if not interrupted.is_set():
+                on_result(rec)
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="statelab-batch") as pool:
-        futs = [pool.submit(run_batch, unit, g, deliver) for g in groups.values()]
+        futs = [pool.submit(run_batch, unit, g, deliver, interrupted) for g in groups.values()]
         try:
             for f in as_completed(futs):
                 f.result()
         except BaseException:
+            interrupted.set()
             for f in futs:
                 f.cancel()
             raise
@@ -258,7 +273,7 @@ def execute(tasks: Iterable[dict], unit: Unit, executor: str, workers: int, on_r
     starts no more (every run makes progress).  With one worker this is the serial mode of
     timed campaigns: one unit at a time, in order, in the calling thread."""
     tasks = list(tasks)
-    executor = check_executor(executor, workers, error)
+    executor = check_executor(executor, workers, error, batch_ok=unit.batch is not None and unit.batch_key is not None)
     if stop is not None and executor != "local":
         raise error("a stop test needs the local executor (the fork server)")
     if not tasks:
@@ -279,8 +294,6 @@ def execute(tasks: Iterable[dict], unit: Unit, executor: str, workers: int, on_r
             t2 = time.perf_counter()
         return {"startup_s": t1 - t0, "shutdown_s": time.perf_counter() - t2}
     if executor == "batch":
-        if unit.batch is None or unit.batch_key is None:
-            raise error("the batch executor runs study cells only: use local, local-spawn or a Dask executor")
         _run_batches(unit, tasks, workers, on_result)
         return {"startup_s": 0.0, "shutdown_s": 0.0}
     if executor == "local-spawn":

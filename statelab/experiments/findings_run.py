@@ -5,7 +5,7 @@ A *class-B cell* is a (task, selector, direction) coordinate whose repeats all r
 donor.  Its selection is read back as a box (layers x component x position range) from its
 actual byte mask on the recipient's state and checked to be that mask byte for byte.
 
-* ``minimal``: :func:`statelab.analysis.minimal_sufficient_selection` inside the cell's box
+* ``minimal``: :func:`statelab.analysis.classes.minimal_sufficient_selection` inside the cell's box
   (the cell's component; layers, then positions), each candidate a real subset cross.
 * ``panels``: a 2x2 frontier panel whose BOTH arm is the cell's selection: C1/C2 are its K
   and V parts when it spans both components, else the lower and upper halves of its
@@ -114,18 +114,18 @@ def mask_sha256(selection) -> str:
 
 # ------------------------------------------------------------------ one target's process
 
-_W: dict = {}  # the unit's process: its model, the captures and selectors it has read
+_W: dict = {}  # the unit's process (one target each): its model, the captures and selectors it has read
 
 
 def _load_model(job: dict) -> None:
     if "model" in _W:
         return
     prepare_backend(job["backend"])
-    _W["model"] = Model(job["model_path"], backend=job["backend"])
-    if _W["model"].sha256 != job["model_sha256"]:
-        raise FindingsError(f"model {_W['model'].sha256[:12]} is not the study's {job['model_sha256'][:12]}")
-    _W["captures"] = {}
-    _W["selectors"] = {}
+    model = Model(job["model_path"], backend=job["backend"])
+    if model.sha256 != job["model_sha256"]:
+        model.close()
+        raise FindingsError(f"model {model.sha256[:12]} is not the study's {job['model_sha256'][:12]}")
+    _W.update(model=model, captures={}, selectors={})
 
 
 def _capture(path: str):

@@ -474,7 +474,7 @@ def run_frontier(spec_path, out=None, workers: int = 1, say=lambda msg: None, ex
     """Run (or resume) a frontier spec: captures once, then one fresh worker process per
     (task, direction, repeat), then :func:`analyse_run` and the outputs."""
     t0 = time.perf_counter()
-    check_executor(executor, workers, FrontierRunError)
+    check_executor(executor, workers, FrontierRunError)  # batch: study cells only, refused here
     spec = load_spec(spec_path)
     folder = RunFolder(Path(out) if out is not None else Path("runs") / "frontier" / slug(spec.name), SPEC_FORMAT,
                        FrontierRunError, "frontier")

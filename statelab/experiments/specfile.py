@@ -146,7 +146,7 @@ def str_list(data: dict, key: str, err: Err, *, say_empty: bool = False) -> list
     return list(v)
 
 
-def resolve_prompts(prompt_specs: Sequence[str], path: Path, err: Err, model=None) -> list:
+def resolve_prompts(prompt_specs: Sequence[str], path: Path, err: Err, model=None, backend: str = "cpu") -> list:
     """:func:`statelab.prompts.resolve` each prompt spec (``file:`` and ``chat:`` paths relative
     to the spec file when they exist there; ``chat:`` rendered with ``model``'s template); a
     prompt that cannot be resolved fails here."""
@@ -157,7 +157,7 @@ def resolve_prompts(prompt_specs: Sequence[str], path: Path, err: Err, model=Non
         if kind in ("file", "chat") and rest and not os.path.isabs(rest) and (path.parent / rest).is_file():
             target = f"{kind}:{path.parent / rest}"
         try:
-            prompts.append(prompts_mod.resolve(target, model))
+            prompts.append(prompts_mod.resolve(target, model, backend))
         except (ConfigError, ModelError) as e:
             raise err(f"prompt {s!r}: {e}") from None
     return prompts

@@ -9,10 +9,12 @@ from statelab.models import resolve_model
 from statelab.runtime.native import llama, prepare_backend
 
 
-def apply_chat_template(messages, model_path=None, add_assistant: bool = True) -> str:
+def apply_chat_template(messages, model_path=None, add_assistant: bool = True, backend: str = "cpu") -> str:
     """Render ``messages`` ([(role, content), ...]) with the chat template stored in the GGUF
-    (the embedded model by default); the result ends with the assistant's turn opener."""
-    prepare_backend("cpu")
+    (the embedded model by default); the result ends with the assistant's turn opener.
+    ``backend``: the backend the calling process will use (llama.cpp registers its backends
+    once per process, so a Vulkan run must be prepared before this first native call)."""
+    prepare_backend(backend)
     L = llama()
     path = resolve_model(model_path)
     params = L.llama_model_default_params()

@@ -1,5 +1,5 @@
 """One process for a batch of cells: ``python -m statelab.experiments.matrix.batch`` reads a JSON list of
-tasks on stdin, loads the model once and prints one ``STATELAB_CELL <json>`` line per cell
+tasks on stdin, loads the model once and prints one ``STATELAB_UNIT <json>`` line per cell (``worker.MARKER``)
 as it finishes (flushed), so the runner appends each cell durably while the batch goes on.
 
 The ``batch`` executor (:mod:`statelab.experiments.executors`) groups a study's cells by
@@ -23,12 +23,18 @@ from statelab.runtime import Model
 def main() -> int:
     t0 = time.perf_counter()
     tasks = json.loads(sys.stdin.read())
-    model, cache = None, {}
+    model, cache, load_error = None, {}, None
     for task in tasks:
         t1 = time.perf_counter()
         try:
+            if load_error is not None:  # the model did not load for the first cell: not retried per cell
+                raise load_error
             if model is None:
-                model = Model(task["model"], backend=task["backend"])
+                try:
+                    model = Model(task["model"], backend=task["backend"])
+                except Exception as e:
+                    load_error = e
+                    raise
             rec = run_cell(task, model=model, cache=cache)
         except Exception as e:  # reported as a failed cell, never silently dropped
             rec = failed_record(task, f"{type(e).__name__}: {e}")

@@ -80,7 +80,7 @@ def run_study(spec_path, out=None, executor: str = "local", workers: int = 2, re
     rep = reporter or Reporter()
     t0 = time.perf_counter()
     spec = spec or load_spec(spec_path)  # every spec error surfaces here, before the folder is touched
-    check_executor(executor, workers, StudyError)
+    check_executor(executor, workers, StudyError, batch_ok=True)
     sdir = StudyDir(out if out is not None else default_out(spec))
     with sdir.writer():  # one writer per folder; a second one is refused here
         return _run_locked(spec, sdir, executor, workers, rep, t0, on_compiled)

@@ -135,7 +135,7 @@ def spec_from_data(data: dict, path: str | os.PathLike, check_model: bool = True
 
     # prompts: resolved now (a missing prompt fails here)
     prompt_specs = sf.str_list(data, "prompts", err, say_empty=True)
-    prompts = sf.resolve_prompts(prompt_specs, path, err, common["model"])
+    prompts = sf.resolve_prompts(prompt_specs, path, err, common["model"], common["backend"])
     ids = [p.id for p in prompts]
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:
