@@ -63,6 +63,7 @@ repository's ``selectors/`` directory; the first match wins.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
@@ -369,6 +370,11 @@ def load_selector(name_or_path: str | os.PathLike, search_dirs=None) -> Selector
 # --------------------------------------------------------------------------- masks
 
 
+def flat_mask_sha256(flat: np.ndarray) -> str:
+    """sha256 of a flat bool mask, packed to bits (equal masks, equal hashes)."""
+    return hashlib.sha256(np.packbits(flat).tobytes()).hexdigest()
+
+
 @dataclass(eq=False)
 class Selection:
     """Boolean masks with the shapes of ``state.k`` / ``state.v`` (True = selected value)."""
@@ -472,6 +478,10 @@ class Selection:
         """One bool vector in blob order (all K layers, then all V layers, each in storage order)."""
         parts = [m.ravel() for m in self.k + self.v]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+
+    def mask_sha256(self) -> str:
+        """The byte mask's identity: :func:`flat_mask_sha256` of :meth:`to_flat`."""
+        return flat_mask_sha256(self.to_flat())
 
     def check_matches(self, state: KVState) -> None:
         """Raise :class:`KVFormatError` unless the masks have the shapes of ``state``'s arrays."""

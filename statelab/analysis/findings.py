@@ -21,7 +21,6 @@ Tables (each states what it counts and out of what):
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 from collections import Counter
@@ -39,6 +38,7 @@ from statelab.experiments.matrix.store import CellLog, StudyDir
 from statelab.paths import atomic_path, atomic_write_text
 from statelab.report import figures as fig
 from statelab.report.page import write_file
+from statelab.selection import flat_mask_sha256
 
 MAGNITUDES = (("max_abs", "max abs d"), ("l2_rel", "L2 rel"), ("first_differing_layer", "first differing layer"))
 
@@ -211,10 +211,6 @@ def agreed_classes(ds: xr.Dataset) -> xr.DataArray:
                         coords={d: k[d] for d in ("task", "selector", "direction")})
 
 
-def _mask_sha(flat: np.ndarray) -> str:
-    return hashlib.sha256(np.packbits(flat).tobytes()).hexdigest()
-
-
 def non_monotone_in(masks: dict, outcomes: dict) -> tuple[list[dict], int]:
     """Non-monotone pairs on the lattice of ``masks`` given ``outcomes`` (name -> class), each
     with its inclusion proof, and the denominator: (B selection, strict superset with an
@@ -234,7 +230,7 @@ def non_monotone_in(masks: dict, outcomes: dict) -> tuple[list[dict], int]:
             pairs.append({"small": small, "large": large, "large_class": outcomes[large],
                           "small_values": int(a.sum()), "large_values": int(b.sum()),
                           "small_outside_large": int((a & ~b).sum()),
-                          "small_mask_sha256": _mask_sha(a), "large_mask_sha256": _mask_sha(b)})
+                          "small_mask_sha256": flat_mask_sha256(a), "large_mask_sha256": flat_mask_sha256(b)})
     return sorted(pairs, key=lambda p: (p["small"], p["large"])), examined
 
 

@@ -197,28 +197,16 @@ def _run_batches(unit: Unit, tasks: list[dict], workers: int, on_result: Callabl
 
 
 def _run_pool(run_one: Callable[[dict], dict], tasks: list[dict], workers: int,
-              on_result: Callable[[dict], None]) -> None:
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="statelab-unit") as pool:
-        futs = [pool.submit(run_one, t) for t in tasks]
-        try:
-            for f in as_completed(futs):
-                on_result(f.result())
-        except BaseException:
-            for f in futs:
-                f.cancel()
-            raise
-
-
-def _run_pool_until(run_one: Callable[[dict], dict], tasks: list[dict], workers: int,
-                    on_result: Callable[[dict], None], stop: Callable[[], bool]) -> None:
-    """Like :func:`_run_pool`, but a task is only started while ``stop()`` is False (the first
-    always starts); the tasks never started are simply not run."""
+              on_result: Callable[[dict], None], stop: Callable[[], bool] | None = None) -> None:
+    """Run the tasks on ``workers`` threads, in order, results in completion order.  With
+    ``stop``, a task is only started while ``stop()`` is False (the first always starts);
+    the tasks never started are simply not run."""
     queue = list(reversed(tasks))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="statelab-unit") as pool:
         pending: set = set()
         try:
             while queue or pending:
-                while queue and len(pending) < workers and (len(queue) == len(tasks) or not stop()):
+                while queue and len(pending) < workers and (stop is None or len(queue) == len(tasks) or not stop()):
                     pending.add(pool.submit(run_one, queue.pop()))
                 if not pending:
                     break
@@ -287,10 +275,8 @@ def execute(tasks: Iterable[dict], unit: Unit, executor: str, workers: int, on_r
                     if i and stop():
                         break
                     on_result(run_forked(server, unit, t))
-            elif stop is not None:
-                _run_pool_until(lambda t: run_forked(server, unit, t), tasks, workers, on_result, stop)
             else:
-                _run_pool(lambda t: run_forked(server, unit, t), tasks, workers, on_result)
+                _run_pool(lambda t: run_forked(server, unit, t), tasks, workers, on_result, stop)
             t2 = time.perf_counter()
         return {"startup_s": t1 - t0, "shutdown_s": time.perf_counter() - t2}
     if executor == "batch":

@@ -22,7 +22,6 @@ finished targets are skipped.  One process repeat per target (say so where repor
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from pathlib import Path
@@ -106,10 +105,6 @@ def mask_box(selection, state) -> dict | None:
 def _box_selector(name: str, layers, component: str, positions):
     return Selector(name, (Term(component=component, layers=tuple(int(x) for x in layers),
                                 positions=(int(positions[0]), int(positions[1]))),))
-
-
-def mask_sha256(selection) -> str:
-    return hashlib.sha256(np.packbits(selection.to_flat()).tobytes()).hexdigest()
 
 
 # ------------------------------------------------------------------ one target's process

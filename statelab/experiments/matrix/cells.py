@@ -99,7 +99,7 @@ def run_cell(task: dict, model=None, cache: dict | None = None) -> dict:
                          f"{selector.describe()!r} != {task['selector_terms']!r}")
     sel = select(selector, recipient.state)
     mask_key = ("mask", task["donor_capture"], task["recipient_capture"],
-                hashlib.sha256(np.packbits(sel.to_flat()).tobytes()).hexdigest())
+                sel.mask_sha256())
     t_ready = time.perf_counter()
     first = cache.get(mask_key)
     if first is not None:  # byte-identical selection on the same captures: the same cross
