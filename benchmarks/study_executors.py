@@ -41,7 +41,7 @@ from statelab.experiments.matrix.store import StudyDir  # noqa: E402
 
 HEADING = "## Study executors"
 EXECUTORS = ("local-spawn", "local", "dask-local")
-VOLATILE = {"timing", "pid", "host", "same_mask_as"}  # same_mask_as: which cell of a batch ran the cross
+VOLATILE = {"timing", "pid", "host", "same_cross_as"}  # same_cross_as: which cell of a batch ran the cross
 
 
 def _records(out: Path) -> dict:

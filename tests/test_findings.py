@@ -182,11 +182,11 @@ def test_findings_path_on_real_model(tmp_path):
     assert all(len(v) == 1 for v in pids.values())
     assert len({next(iter(v)) for v in pids.values()}) == 8
     # HumanEval/2 (81 tokens): TAIL selects nothing, the same bytes as EMPTY; crossed once per batch
-    shared = [c for c in cells if c.get("same_mask_as")]
+    shared = [c for c in cells if c.get("same_cross_as")]
     assert sorted({(c["prompt"], c["selector"]) for c in shared}) == [("HumanEval/2", "TAIL")] and len(shared) == 4
     for c in shared:
-        assert c["same_mask_as"].split("|")[1] == "EMPTY"
-        first = next(x for x in cells if x["key"] == c["same_mask_as"])
+        assert c["same_cross_as"].split("|")[1] == "EMPTY"
+        first = next(x for x in cells if x["key"] == c["same_cross_as"])
         assert c["endpoint_sha256"] == first["endpoint_sha256"] and c["repeat"] == first["repeat"]
 
     for kind, n in (("panels", 2), ("minimal", 1)):

@@ -28,11 +28,15 @@ def test_outputs_equal_the_golden_files(kind, tmp_path):
         assert got[name] == want[name], f"{kind}/{name} differs:\n{_diff(want[name], got[name])}"
 
 
-def test_batch_executor_gives_the_golden_study(tmp_path):
-    """The opt-in batch executor (one process per prompt, direction and repeat, a fresh context
-    per cell) gives the same records and reports as the golden per-cell processes."""
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_batch_executor_gives_the_golden_study(tmp_path, lanes):
+    """The opt-in batch executor (one process per prompt, direction and repeat, one context per
+    configuration cleared before each cell; with 2 lanes one process per repeat, two cells at
+    once in their own contexts) gives the same records and reports as the golden per-cell
+    processes, each of which decoded in a new context."""
     want = json.loads((GOLDEN / "ci.json").read_text())
-    got = normalise(run("ci", tmp_path / "ci", extra=("--executor", "batch")), "ci")
+    got = normalise(run("ci", tmp_path / "ci", extra=("--executor", "batch", "--lanes", str(lanes))), "ci")
     assert sorted(got) == sorted(want)
     for name in want:
-        assert got[name] == want[name], f"ci/{name} differs under --executor batch:\n{_diff(want[name], got[name])}"
+        assert got[name] == want[name], \
+            f"ci/{name} differs under --executor batch --lanes {lanes}:\n{_diff(want[name], got[name])}"

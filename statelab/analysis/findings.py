@@ -351,7 +351,9 @@ def compute(runs: list[RunData]) -> Findings:
         p, d = non_monotone(run)
         pairs += p
         dens += d
-    same = sum(1 for run in runs for r in run.records if r.get("same_mask_as") and r.get("status") == "ok")
+    # same_mask_as: the field's name in run folders of an earlier statelab
+    same = sum(1 for run in runs for r in run.records
+               if (r.get("same_cross_as") or r.get("same_mask_as")) and r.get("status") == "ok")
     return Findings(runs, divergence_table(natural), natural, separability_table(sep_in), sep_in, pairs, dens,
                     minimal_summary(runs), panel_summary(runs), same)
 

@@ -22,15 +22,17 @@ app.add_typer(study_app, name="study")
 def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)"),
               out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder (default runs/studies/NAME)"),
               executor: str = typer.Option("local", "--executor", "-e", help="local (fork server), batch (one "
-                                           "process per prompt, direction and repeat), local-spawn, dask-local or "
+                                           "process per prompt, direction and repeat, or per repeat with --lanes), local-spawn, dask-local or "
                                            "dask://HOST:PORT"),
-              workers: int = typer.Option(2, "--workers", "-w", help="cells running at once")):
+              workers: int = typer.Option(2, "--workers", "-w", help="cells (batch: batch processes) running at once"),
+              lanes: int = typer.Option(1, "--lanes", help="batch executor: cells at once in each batch process, "
+                                        "which then runs a whole repeat (the shape for a GPU: --workers 1 --lanes 8)")):
     """Run (or resume) a study: controls per prompt, then every cell in a fresh process."""
     from statelab.experiments.matrix import run_study
     from statelab.experiments.matrix.progress import RichReporter
     from statelab.report import study_page
 
-    s = run_study(spec, out, executor, workers, RichReporter(err), on_compiled=study_page)
+    s = run_study(spec, out, executor, workers, RichReporter(err), on_compiled=study_page, lanes=lanes)
     console.print(f"{'resumed' if s.resumed else 'ran'} {s.out}: {s.ran} cells run ({s.failed} failed), "
                   f"{s.skipped} already done, {s.withheld} withheld, {s.seconds:.0f} s"
                   + (f", {s.cells_per_minute:.1f} cells/min" if s.ran else ""))

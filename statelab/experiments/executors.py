@@ -11,10 +11,14 @@ nothing else, so results do not depend on the executor:
                    and the imports are paid per unit
   batch            (study cells only) N threads, each starting one new interpreter per
                    (prompt, direction, repeat) that runs all its selectors with the model
-                   loaded once, a fresh context per cell, and crosses byte-identical selections
-                   once (``python -m statelab.experiments.matrix.batch``); the repeats of a
-                   coordinate never share a process.  Each cell's context still decodes
-                   nothing else, but the cells of a batch share the process (and its model)
+                   loaded once, one context per configuration cleared before each cell,
+                   and crosses byte-identical inputs once (``python -m
+                   statelab.experiments.matrix.batch``); the repeats of a coordinate never
+                   share a process.  With ``lanes`` L > 1 a batch is a whole repeat and L
+                   cells run at once in it, each lane in its own contexts: the shape for a
+                   GPU (one process, one CUDA context, L streams; N processes on one GPU
+                   time-slice it).  Each cell's context holds nothing of another cell
+                   (cleared), but the cells of a batch share the process (and its model)
   dask-local       a ``distributed.LocalCluster`` of N worker processes (one thread each);
                    each Dask task starts the unit's new interpreter on its worker
   dask://HOST:PORT a ``distributed.Client`` to a running scheduler; the workers must see the
@@ -54,15 +58,19 @@ class Unit:
     failed: Callable[[dict, str], dict]  # the record of a task whose process gave no result
     env: dict = field(default_factory=dict)  # variables the unit's process needs (STATELAB_THREADS...)
     batch: str | None = None  # module run as ``python -m`` for a batch of tasks (the batch executor)
-    batch_key: Callable[[dict], tuple] | None = None  # tasks with the same key run in one batch
+    batch_key: Callable[[dict, int], tuple] | None = None  # (task, lanes) -> tasks with one key share a batch
 
 
 def check_executor(executor: str, workers: int, error: type[Exception] = ConfigError,
-                   batch_ok: bool = False) -> str:
+                   batch_ok: bool = False, lanes: int = 1) -> str:
     """The executor name, checked before any work (``batch_ok``: the kind's units can run in
     batches, i.e. its ``Unit`` has ``batch`` and ``batch_key``)."""
     if not isinstance(workers, int) or workers < 1:
         raise error(f"--workers must be a positive integer, got {workers!r}")
+    if not isinstance(lanes, int) or lanes < 1:
+        raise error(f"--lanes must be a positive integer, got {lanes!r}")
+    if lanes > 1 and executor != "batch":
+        raise error("--lanes needs the batch executor (cells at once in one batch process)")
     if executor == "batch" and not batch_ok:
         raise error("the batch executor runs study cells only: use local, local-spawn or a Dask executor")
     if executor in EXECUTORS:
@@ -130,7 +138,7 @@ def run_forked(server: ForkServer, unit: Unit, task: dict, timeout: float | None
 
 
 def run_batch(unit: Unit, tasks: list[dict], on_result: Callable[[dict], None],
-              interrupted: threading.Event | None = None) -> None:
+              interrupted: threading.Event | None = None, lanes: int = 1) -> None:
     """Run a batch of tasks in one new process (``python -m unit.batch``: a JSON list of tasks
     on stdin, one marked record line per task on stdout as it finishes), passing each record
     on as its line arrives; tasks without a record become failed records."""
@@ -138,7 +146,7 @@ def run_batch(unit: Unit, tasks: list[dict], on_result: Callable[[dict], None],
     env.setdefault("PYTHONUNBUFFERED", "1")
     pending = {t["key"]: t for t in tasks}
     try:
-        proc = subprocess.Popen([sys.executable, "-m", unit.batch], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", unit.batch, "--lanes", str(lanes)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
                                 env=env)
     except OSError as e:
@@ -172,10 +180,11 @@ def run_batch(unit: Unit, tasks: list[dict], on_result: Callable[[dict], None],
         on_result(unit.failed(t, f"the batch process exited with status {proc.returncode} before this cell: {tail}"))
 
 
-def _run_batches(unit: Unit, tasks: list[dict], workers: int, on_result: Callable[[dict], None]) -> None:
+def _run_batches(unit: Unit, tasks: list[dict], workers: int, on_result: Callable[[dict], None],
+                 lanes: int = 1) -> None:
     groups: dict[tuple, list[dict]] = {}
     for t in tasks:
-        groups.setdefault(unit.batch_key(t), []).append(t)
+        groups.setdefault(unit.batch_key(t, lanes), []).append(t)
     lock = threading.Lock()
     interrupted = threading.Event()
 
@@ -185,7 +194,7 @@ def _run_batches(unit: Unit, tasks: list[dict], workers: int, on_result: Callabl
                 on_result(rec)
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="statelab-batch") as pool:
-        futs = [pool.submit(run_batch, unit, g, deliver, interrupted) for g in groups.values()]
+        futs = [pool.submit(run_batch, unit, g, deliver, interrupted, lanes) for g in groups.values()]
         try:
             for f in as_completed(futs):
                 f.result()
@@ -254,14 +263,15 @@ def _run_dask(unit: Unit, tasks: list[dict], workers: int, on_result: Callable[[
 
 
 def execute(tasks: Iterable[dict], unit: Unit, executor: str, workers: int, on_result: Callable[[dict], None],
-            stop: Callable[[], bool] | None = None, error: type[Exception] = ConfigError) -> dict:
+            stop: Callable[[], bool] | None = None, error: type[Exception] = ConfigError, lanes: int = 1) -> dict:
     """Run the tasks; returns the executor's own overhead: {"startup_s", "shutdown_s"}.
 
     ``stop`` (local executor only) is asked before every task but the first is started; True
     starts no more (every run makes progress).  With one worker this is the serial mode of
     timed campaigns: one unit at a time, in order, in the calling thread."""
     tasks = list(tasks)
-    executor = check_executor(executor, workers, error, batch_ok=unit.batch is not None and unit.batch_key is not None)
+    executor = check_executor(executor, workers, error, batch_ok=unit.batch is not None and unit.batch_key is not None,
+                              lanes=lanes)
     if stop is not None and executor != "local":
         raise error("a stop test needs the local executor (the fork server)")
     if not tasks:
@@ -280,7 +290,7 @@ def execute(tasks: Iterable[dict], unit: Unit, executor: str, workers: int, on_r
             t2 = time.perf_counter()
         return {"startup_s": t1 - t0, "shutdown_s": time.perf_counter() - t2}
     if executor == "batch":
-        _run_batches(unit, tasks, workers, on_result)
+        _run_batches(unit, tasks, workers, on_result, lanes)
         return {"startup_s": 0.0, "shutdown_s": 0.0}
     if executor == "local-spawn":
         _run_pool(lambda t: run_spawned(unit, t), tasks, workers, on_result)

@@ -12,8 +12,10 @@ actual byte mask on the recipient's state and checked to be that mask byte for b
   position range (a one-position single-component cell has no panel).
 
 Each target is one unit of the engine (:mod:`statelab.experiments.executors`, the fork server):
-a fresh process loads the model and reads and verifies the captures, and every subset cross of
-its search or panel gets a fresh context.  Targets are ordered so that every task and
+a fresh process loads the model and reads and verifies the captures; the subset crosses of a
+search decode in one context per configuration, cleared before each (``runtime.ContextPool``),
+and stop at the first output that leaves the donor's endpoint (the oracle's question); those
+of a panel each get a new context and decode to the cap (their traces are the panel).  Targets are ordered so that every task and
 direction is served in turn (named selectors before single-layer ones); no new target starts
 once the time budget is spent; every result is appended as one JSON line (durably) to
 ``OUT/findings/minimal.jsonl`` or ``OUT/findings/panels.jsonl`` under the study folder's
@@ -39,7 +41,7 @@ from statelab.experiments.matrix.store import CellLog, StudyDir
 from statelab.lab.archive import load_capture
 from statelab.lab.intervene import subset_cross
 from statelab.lab.receiver import Endpoint
-from statelab.runtime import Model, prepare_backend
+from statelab.runtime import ContextPool, Model, prepare_backend
 from statelab.selection import Selector, Term, load_selector, select
 
 KINDS = ("minimal", "panels")
@@ -120,7 +122,7 @@ def _load_model(job: dict) -> None:
     if model.sha256 != job["model_sha256"]:
         model.close()
         raise FindingsError(f"model {model.sha256[:12]} is not the study's {job['model_sha256'][:12]}")
-    _W.update(model=model, captures={}, selectors={})
+    _W.update(model=model, captures={}, selectors={}, contexts=ContextPool(model))
 
 
 def _capture(path: str):
@@ -157,8 +159,10 @@ def _minimal_job(job: dict) -> dict:
     comp = box["component"]
 
     def evaluate(ls, pr) -> bool:
+        # the oracle asks "the donor's endpoint?": decoding stops at the first output that
+        # leaves it (exact: an endpoint that left it cannot be the donor's)
         s = select(_box_selector("candidate", [layers[i] for i in ls], comp, pr), recip.state)
-        ep, _ = subset_cross(model, donor, recip, s, job["cap"])
+        ep, _ = subset_cross(model, donor, recip, s, job["cap"], contexts=_W["contexts"], follow=nat_d.tokens)
         return endpoint_class(ep, nat_d, nat_r) == "B"
 
     # layer indices into the cell's own layer list, so the search stays inside the cell

@@ -1,6 +1,7 @@
 """Natural endpoints, shams, whole-KV crosses and subset crosses, with byte accounting."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -47,13 +48,15 @@ class ImportAccount:
 
 
 def import_and_continue(model, config, blob: bytes, logits0: np.ndarray, n_prompt: int, cap: int,
-                        trace: bool = False) -> Endpoint:
+                        trace: bool = False, contexts=None, follow=None) -> Endpoint:
     """The common receiver with read-back verification: the imported state must read back
-    byte for byte before any token is decoded."""
+    byte for byte before any token is decoded.  ``contexts`` (a ``runtime.ContextPool``):
+    decode in the pool's cleared context for ``config`` instead of a new one.  ``follow``
+    (tokens): stop at the first output that leaves them (``continue_greedy``)."""
     if not np.all(np.isfinite(logits0)):
         raise DecodeError("the capture has no initial logits (a state imported without them): import it again "
                           "with --logits recompute")
-    with Context(model, config) as ctx:
+    with (nullcontext(contexts.get(config)) if contexts is not None else Context(model, config)) as ctx:
         ctx.state_set(blob)
         back = ctx.state_get()
         if back != blob:
@@ -61,7 +64,7 @@ def import_and_continue(model, config, blob: bytes, logits0: np.ndarray, n_promp
         got = ctx.seq_pos_max(0)
         if got != n_prompt - 1:
             raise DecodeError(f"restored state ends at position {got}, expected {n_prompt - 1}")
-        return continue_greedy(ctx, logits0, n_prompt, cap, trace)
+        return continue_greedy(ctx, logits0, n_prompt, cap, trace, follow=follow)
 
 
 def sham(model, capture: Capture, cap: int = DEFAULT_CAP, trace: bool = False) -> Endpoint:
@@ -101,13 +104,15 @@ def cross(model, donor: Capture, recipient: Capture, logits_from: str = "recipie
 
 
 def subset_cross(model, donor: Capture, recipient: Capture, selection, cap: int = DEFAULT_CAP,
-                 trace: bool = False, allow_other_backend: bool = False):
-    """Only the selected bytes come from the donor; the recipient keeps its initial logits."""
+                 trace: bool = False, allow_other_backend: bool = False, contexts=None, follow=None):
+    """Only the selected bytes come from the donor; the recipient keeps its initial logits.
+    ``contexts`` and ``follow`` as in :func:`import_and_continue`."""
     _same_prompt(donor, recipient)
     config = config_of(recipient)
     check_importable(donor, model, config, allow_other_backend)
     mixed = apply_subset(recipient.state, donor.state, selection)
     blob = mixed.to_bytes()
-    ep = import_and_continue(model, config, blob, recipient.logits, recipient.n_prompt, check_cap(cap), trace)
+    ep = import_and_continue(model, config, blob, recipient.logits, recipient.n_prompt, check_cap(cap), trace,
+                             contexts, follow)
     acc = account(recipient.state, mixed, int(selection.selected_bytes), True)
     return ep, acc

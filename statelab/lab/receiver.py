@@ -17,7 +17,7 @@ DEFAULT_CAP = 128
 class Endpoint:
     tokens: np.ndarray  # int32 generated token ids (the EOG token, when reached, is the last one)
     eog: bool
-    stop_reason: str  # "eog" | "cap" | "ctx"
+    stop_reason: str  # "eog" | "cap" | "ctx" | "left" (left the followed tokens: continue_greedy)
     trace: np.ndarray | None = field(default=None, repr=False)  # (len, n_vocab) float32: logits of each output
 
     @property
@@ -47,15 +47,27 @@ def check_cap(cap: int) -> int:
 
 
 def continue_greedy(ctx, logits0: np.ndarray, n_past: int, cap: int = DEFAULT_CAP, trace: bool = False,
-                    on_token=None) -> Endpoint:
-    """Greedy continuation from available logits with n_past positions already in KV."""
+                    on_token=None, follow=None) -> Endpoint:
+    """Greedy continuation from available logits with n_past positions already in KV.
+
+    ``follow`` (tokens): stop as soon as an output differs from the followed token at its
+    index or runs past them (stop reason ``left``): the endpoint is then known to differ from
+    the followed one (an oracle that only asks "the same endpoint?" need not decode further)."""
     cap = check_cap(cap)
+    follow = None if follow is None else np.asarray(follow, dtype=np.int32)
+
+    def left(n: int) -> bool:  # the n-th output (1-based) is not the followed one
+        return follow is not None and (n > len(follow) or out[n - 1] != follow[n - 1])
+
     model = ctx.model
     rows = [np.asarray(logits0, dtype=np.float32)] if trace else None
     tok = ctx.greedy(logits0)
     out = [tok]
     stop = "cap"
     while True:
+        if left(len(out)):
+            stop = "left"
+            break
         if model.is_eog(tok):
             stop = "eog"
             break

@@ -414,6 +414,34 @@ class Context(Closing):
             self.ptr = None
 
 
+class ContextPool(Closing):
+    """Contexts kept for reuse, one per configuration, by ONE thread (a lane of a batch
+    process or a search that runs many crosses): :meth:`get` returns the configuration's
+    context with its memory cleared (``llama_memory_clear``), created on first use.  A
+    cleared context holds no cell, so the next state import starts at cell 0 and decodes as
+    in a new context (tests/test_context_pool.py compares endpoints bitwise); what is saved
+    is the context's creation (buffers, graph reservation, a device backend's set-up)."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self._contexts: dict[ContextConfig, Context] = {}
+        self.created = 0  # contexts made (the rest of the get() calls reused one)
+
+    def get(self, config: ContextConfig) -> Context:
+        ctx = self._contexts.get(config)
+        if ctx is None or ctx.ptr is None:
+            ctx = self._contexts[config] = Context(self.model, config)
+            self.created += 1
+        else:
+            ctx.clear()
+        return ctx
+
+    def close(self):
+        for ctx in self._contexts.values():
+            ctx.close()
+        self._contexts.clear()
+
+
 def context_identity(model: Model, config: ContextConfig) -> dict:
     b = build_identity()
     return {

@@ -1,50 +1,98 @@
-"""One process for a batch of cells: ``python -m statelab.experiments.matrix.batch`` reads a JSON list of
-tasks on stdin, loads the model once and prints one ``STATELAB_UNIT <json>`` line per cell (``worker.MARKER``)
-as it finishes (flushed), so the runner appends each cell durably while the batch goes on.
+"""One process for a batch of cells: ``python -m statelab.experiments.matrix.batch [--lanes L]``
+reads a JSON list of tasks on stdin, loads the model once and prints one ``STATELAB_UNIT
+<json>`` line per cell (``worker.MARKER``) as it finishes (flushed), so the runner appends
+each cell durably while the batch goes on.
 
 The ``batch`` executor (:mod:`statelab.experiments.executors`) groups a study's cells by
-(prompt, direction, repeat): every selector of one coordinate runs in one process, and the
-repeats of a coordinate always run in different processes (process repeats stay
-independent).  Within a batch the verified captures and selectors are read once, and a
-selection whose byte mask equals one already crossed on the same captures is not crossed
-again (its record names the cell that ran, ``same_mask_as``).
+(prompt, direction, repeat), or by repeat with lanes (:func:`cells.batch_key`); the repeats
+of a coordinate always run in different processes (process repeats stay independent).
+Within a batch the verified captures and selectors are read once, a cross whose inputs are
+byte-identical to one already run is not run again (its record names the cell that ran,
+``same_cross_as``), and each lane keeps one context per configuration, cleared before every
+cell (``runtime.ContextPool``).  With ``--lanes L`` L threads run cells at once, each with
+its own contexts over the one model: on a GPU one process (one CUDA context) then keeps the
+device busy with L streams, where L processes would time-slice it.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import queue
 import sys
+import threading
 import time
 
-from statelab.experiments.matrix.cells import failed_record, run_cell
+from statelab.experiments.matrix.cells import CellCache, failed_record, run_cell
 from statelab.experiments.worker import MARKER
-from statelab.runtime import Model
+from statelab.runtime import ContextPool, Model
 
 
-def main() -> int:
+def run_tasks(tasks: list[dict], lanes: int, emit) -> None:
+    """Run ``tasks`` on ``lanes`` threads sharing one model and one :class:`CellCache`;
+    ``emit(record)`` is called once per task (under a lock), in completion order."""
     t0 = time.perf_counter()
-    tasks = json.loads(sys.stdin.read())
-    model, cache, load_error = None, {}, None
-    for task in tasks:
-        t1 = time.perf_counter()
+    cache, lock = CellCache(), threading.Lock()
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for t in tasks:
+        todo.put(t)
+    model_box: dict = {}
+
+    def model_for(task: dict):
+        def load():
+            try:
+                return Model(task["model"], backend=task["backend"]), None
+            except Exception as e:  # the model did not load: not retried for every cell
+                return None, e
+        model, error = cache.get(("model",), load)[0]
+        if error is not None:
+            raise error
+        model_box["model"] = model
+        return model
+
+    def lane() -> None:
+        pool = None
         try:
-            if load_error is not None:  # the model did not load for the first cell: not retried per cell
-                raise load_error
-            if model is None:
+            while True:
                 try:
-                    model = Model(task["model"], backend=task["backend"])
-                except Exception as e:
-                    load_error = e
-                    raise
-            rec = run_cell(task, model=model, cache=cache)
-        except Exception as e:  # reported as a failed cell, never silently dropped
-            rec = failed_record(task, f"{type(e).__name__}: {e}")
-        # the cell's wall time in its batch process (what a cell's own process costs elsewhere)
-        rec.setdefault("timing", {})["process_s"] = rec["timing"]["subprocess_s"] = time.perf_counter() - t1
-        rec["timing"]["batch_started_s"] = t1 - t0
+                    task = todo.get_nowait()
+                except queue.Empty:
+                    return
+                t1 = time.perf_counter()
+                try:
+                    model = model_for(task)
+                    pool = pool or ContextPool(model)
+                    rec = run_cell(task, model=model, cache=cache, contexts=pool)
+                except Exception as e:  # reported as a failed cell, never silently dropped
+                    rec = failed_record(task, f"{type(e).__name__}: {e}")
+                # the cell's wall time in its batch process (what a cell's own process costs elsewhere)
+                rec.setdefault("timing", {})["process_s"] = rec["timing"]["subprocess_s"] = time.perf_counter() - t1
+                rec["timing"]["batch_started_s"] = t1 - t0
+                with lock:
+                    emit(rec)
+        finally:
+            if pool is not None:
+                pool.close()
+
+    threads = [threading.Thread(target=lane, name=f"statelab-lane-{i}", daemon=True) for i in range(max(1, lanes))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if "model" in model_box:
+        model_box["model"].close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m statelab.experiments.matrix.batch")
+    ap.add_argument("--lanes", type=int, default=1, help="cells at once, each lane in its own contexts")
+    args = ap.parse_args(argv)
+    tasks = json.loads(sys.stdin.read())
+
+    def emit(rec: dict) -> None:
         sys.stdout.write(MARKER + json.dumps(rec, sort_keys=True) + "\n")
         sys.stdout.flush()
-    if model is not None:
-        model.close()
+
+    run_tasks(tasks, args.lanes, emit)
     return 0
 
 

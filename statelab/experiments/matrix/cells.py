@@ -9,18 +9,22 @@ it in a fresh process per cell (:data:`CELL`, through :mod:`statelab.experiments
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
+import threading
 import time
+from concurrent.futures import Future
 
 import numpy as np
 
 from statelab.analysis.classes import endpoint_class, first_difference
 from statelab.lab.archive import load_capture
+from statelab.lab.formation import Capture
 from statelab.errors import IdentityError
 from statelab.experiments.executors import Unit
 from statelab.experiments.naming import Direction
-from statelab.lab.intervene import subset_cross
+from statelab.lab.intervene import config_of, subset_cross
 from statelab.lab.receiver import Endpoint
 from statelab.runtime import Model
 from statelab.selection import load_selector, select
@@ -70,25 +74,63 @@ def failed_record(task: dict, error: str, **extra) -> dict:
             "status": "failed", "error": " ".join(str(error).split())[:2000], **extra}
 
 
-def run_cell(task: dict, model=None, cache: dict | None = None) -> dict:
+class CellCache:
+    """What one batch process keeps between its cells, safe to share by its lanes (threads):
+    each value is made once (:meth:`get`; others asking for it meanwhile wait for it), so
+    the verified captures, the selectors, the captures' hashes and the crosses already run
+    are read or computed once per process.  A value whose making raised is not kept."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._values: dict = {}
+
+    def get(self, key, make):
+        """(value, made_here): made_here is True for the caller that computed it."""
+        with self._lock:
+            fut = self._values.get(key)
+            mine = fut is None
+            if mine:
+                fut = self._values[key] = Future()
+        if mine:
+            try:
+                fut.set_result(make())
+            except BaseException as e:
+                with self._lock:
+                    del self._values[key]
+                fut.set_exception(e)
+        return fut.result(), mine
+
+
+def cross_identity(donor_hashes: dict, recipient: Capture, recipient_hashes: dict, selection, cap: int) -> str:
+    """What a subset cross computes, by content: the donor's and the recipient's KV bytes,
+    the recipient's initial logits and context configuration, the selection's byte mask and
+    the cap.  Two cells with the same identity run the same computation (e.g. B->A and C->A
+    where B and C formed byte-identical states)."""
+    parts = [donor_hashes["kv"], recipient_hashes["kv"], recipient_hashes["logits"],
+             json.dumps(config_of(recipient).as_dict(), sort_keys=True), selection.mask_sha256(), str(int(cap))]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def run_cell(task: dict, model=None, cache: CellCache | None = None, contexts=None) -> dict:
     """Execute one cell; ``model`` may be passed to reuse a loaded model (tests, tools).
-    With ``cache`` (a dict kept by one batch process, see :mod:`statelab.experiments.matrix.batch`) the
-    verified captures and selectors are reused, and a cell whose selection has the same byte
-    mask as a cell already run on the same donor and recipient captures in this process is
-    not run again: its record is that cell's, under its own key, with ``same_mask_as`` naming
-    the cell that ran.  Raises on any failure (the worker turns it into a failed record)."""
+
+    In a batch process (:mod:`statelab.experiments.matrix.batch`) ``cache`` keeps the
+    verified captures and selectors, and a cell whose cross has the identity
+    (:func:`cross_identity`) of one already run in this process is not run again: its record
+    is built from that cross's endpoint and account, classified against its own natural
+    endpoints, with ``same_cross_as`` naming the cell that ran.  ``contexts`` (a
+    ``runtime.ContextPool`` of the calling lane): the cross decodes in its cleared context.
+    Raises on any failure (the worker turns it into a failed record)."""
     t0 = time.perf_counter()
     if model is None:
         model = Model(task["model"], backend=task["backend"])
     if model.sha256 != task["model_sha256"]:
         raise IdentityError(f"the worker's model {model.sha256[:12]} is not the study's {task['model_sha256'][:12]}")
     t_load = time.perf_counter()
-    cache = {} if cache is None else cache
+    cache = CellCache() if cache is None else cache
 
     def cached(key, make):
-        if key not in cache:
-            cache[key] = make()
-        return cache[key]
+        return cache.get(key, make)[0]
 
     donor = cached(("capture", task["donor_capture"]), lambda: load_capture(task["donor_capture"]))
     recipient = cached(("capture", task["recipient_capture"]), lambda: load_capture(task["recipient_capture"]))
@@ -98,20 +140,17 @@ def run_cell(task: dict, model=None, cache: dict | None = None) -> dict:
         raise StudyError(f"selector {task['selector']} changed since the study started: "
                          f"{selector.describe()!r} != {task['selector_terms']!r}")
     sel = select(selector, recipient.state)
-    mask_key = ("mask", task["donor_capture"], task["recipient_capture"],
-                sel.mask_sha256())
+    hashes_d = cached(("hashes", task["donor_capture"]), donor.hashes)
+    hashes_r = cached(("hashes", task["recipient_capture"]), recipient.hashes)
+    identity = cross_identity(hashes_d, recipient, hashes_r, sel, task["cap"])
     t_ready = time.perf_counter()
-    first = cache.get(mask_key)
-    if first is not None:  # byte-identical selection on the same captures: the same cross
-        return {**first, "key": task["key"], "selector": task["selector"], "repeat": task["repeat"],
-                "same_mask_as": first["key"],
-                "timing": {"load_s": t_load - t0, "prepare_s": t_ready - t_load, "cross_s": 0.0,
-                           "cell_s": time.perf_counter() - t0}}
-    ep, acc = subset_cross(model, donor, recipient, sel, int(task["cap"]))
+    (ep, acc, first_key), ran_here = cache.get(
+        ("cross", identity), lambda: (*subset_cross(model, donor, recipient, sel, int(task["cap"]), contexts=contexts),
+                                      task["key"]))
     t_done = time.perf_counter()
     nat_d = Endpoint.from_dict(task["natural_donor"])
     nat_r = Endpoint.from_dict(task["natural_recipient"])
-    cache[mask_key] = rec = {
+    rec = {
         "key": task["key"], "spec_hash": task["spec_hash"], "status": "ok",
         "prompt": task["prompt"], "selector": task["selector"], "direction": task["direction"],
         "donor": task["donor"], "recipient": task["recipient"], "repeat": task["repeat"],
@@ -124,11 +163,13 @@ def run_cell(task: dict, model=None, cache: dict | None = None) -> dict:
         "first_differing_layer": acc.first_differing_layer, "verified": bool(acc.verified),
         "endpoint": ep.as_dict(), "endpoint_sha256": endpoint_sha256(ep.tokens, ep.eog),
         "length": ep.length, "stop_reason": ep.stop_reason, "eog": bool(ep.eog),
-        "donor_kv_sha256": donor.hashes()["kv"], "recipient_kv_sha256": recipient.hashes()["kv"],
-        "timing": {"load_s": t_load - t0, "prepare_s": t_ready - t_load, "cross_s": t_done - t_ready,
-                   "cell_s": t_done - t0},
+        "donor_kv_sha256": hashes_d["kv"], "recipient_kv_sha256": hashes_r["kv"],
+        "timing": {"load_s": t_load - t0, "prepare_s": t_ready - t_load,
+                   "cross_s": t_done - t_ready if ran_here else 0.0, "cell_s": t_done - t0},
         "pid": os.getpid(), "host": socket.gethostname(),
     }
+    if not ran_here:  # the same computation ran for another cell of this process
+        rec["same_cross_as"] = first_key
     return rec
 
 
@@ -140,8 +181,12 @@ def cell_record(task: dict) -> dict:
         return failed_record(task, f"{type(e).__name__}: {e}")
 
 
-def batch_key(task: dict) -> tuple:
-    """Cells of one batch (the batch executor): the same prompt, direction and repeat."""
+def batch_key(task: dict, lanes: int = 1) -> tuple:
+    """Cells of one batch process (the batch executor): the same prompt, direction and
+    repeat; with lanes (several cells at once in one process: the shape for a GPU, one
+    process holding the device) a whole repeat.  The repeats never share a process."""
+    if lanes > 1:
+        return (int(task["repeat"]),)
     return task["prompt"], task["direction"], int(task["repeat"])
 
 

@@ -74,20 +74,21 @@ def _controls_current(sdir: StudyDir, spec: StudySpec, prompt) -> dict | None:
 
 
 def run_study(spec_path, out=None, executor: str = "local", workers: int = 2, reporter: Reporter | None = None,
-              spec: StudySpec | None = None, on_compiled=None) -> RunSummary:
+              spec: StudySpec | None = None, on_compiled=None, lanes: int = 1) -> RunSummary:
     """Run (or resume) a study; ``on_compiled(out, dataset, report)`` runs once the results are
-    compiled, still holding the folder's writer lock (e.g. the HTML page and its figures)."""
+    compiled, still holding the folder's writer lock (e.g. the HTML page and its figures).
+    ``lanes``: cells at once in each batch process (batch executor only)."""
     rep = reporter or Reporter()
     t0 = time.perf_counter()
     spec = spec or load_spec(spec_path)  # every spec error surfaces here, before the folder is touched
-    check_executor(executor, workers, StudyError, batch_ok=True)
+    check_executor(executor, workers, StudyError, batch_ok=True, lanes=lanes)
     sdir = StudyDir(out if out is not None else default_out(spec))
     with sdir.writer():  # one writer per folder; a second one is refused here
-        return _run_locked(spec, sdir, executor, workers, rep, t0, on_compiled)
+        return _run_locked(spec, sdir, executor, workers, rep, t0, on_compiled, lanes)
 
 
 def _run_locked(spec: StudySpec, sdir: StudyDir, executor: str, workers: int, rep: Reporter,
-                t0: float, on_compiled=None) -> RunSummary:
+                t0: float, on_compiled=None, lanes: int = 1) -> RunSummary:
     sdir.check(spec.hash)
     probe_executor(executor, StudyError)
 
@@ -127,13 +128,13 @@ def _run_locked(spec: StudySpec, sdir: StudyDir, executor: str, workers: int, re
     tc = time.perf_counter()
     overhead = {"startup_s": 0.0}
     try:
-        overhead = execute(todo, CELL, executor, workers, on_result, error=StudyError)
+        overhead = execute(todo, CELL, executor, workers, on_result, error=StudyError, lanes=lanes)
     finally:
         cells_seconds = time.perf_counter() - tc
         rep.finish()
         with open(sdir.root / "runs.jsonl", "a") as f:
             f.write(json.dumps({"started": time.time() - (time.perf_counter() - t0), "executor": executor,
-                                "workers": workers, "cells_ran": counts["ran"], "failed": counts["failed"],
+                                "workers": workers, "lanes": lanes, "cells_ran": counts["ran"], "failed": counts["failed"],
                                 "cells_seconds": cells_seconds, "executor_overhead": overhead,
                                 "pid": os.getpid()}) + "\n")
     rep.phase("compiling results")

@@ -1,0 +1,80 @@
+"""Reused contexts and shared crosses on the real model (CPU): a context of a ContextPool,
+cleared before each cross, gives the endpoints of new contexts bitwise; the ``follow``
+stop decodes only while the output follows the given tokens; a batch process with lanes
+runs a cross whose inputs are byte-identical to another cell's once and records it as
+``same_cross_as``, with the same record a per-cell process gives."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from statelab.lab.formation import PRESETS
+from statelab.lab.intervene import natural, subset_cross
+from statelab.runtime import ContextPool
+from statelab.selection import load_selector, select
+
+pytestmark = pytest.mark.model
+CAP = 40
+
+
+@pytest.fixture(scope="module")
+def a_r(model, base_config, he):
+    p = he("HumanEval/2")  # A and R differ here: first natural difference at output 26
+    return {name: natural(model, p, PRESETS[name], base_config, CAP) for name in ("A", "R")}
+
+
+def test_pooled_context_gives_the_new_context_endpoints(model, a_r):
+    (ca, nat_a), (cr, nat_r) = a_r["A"], a_r["R"]
+    assert not nat_a.same(nat_r)
+    sels = {name: select(load_selector(name), cr.state) for name in ("EMPTY", "ALL", "EARLY", "LATE")}
+    fresh = {name: subset_cross(model, ca, cr, s, CAP)[0] for name, s in sels.items()}
+    with ContextPool(model) as pool:
+        # every cross after the first decodes in a context that has just decoded another one
+        pooled = {name: subset_cross(model, ca, cr, s, CAP, contexts=pool)[0] for name, s in sels.items()}
+        again = subset_cross(model, ca, cr, sels["EARLY"], CAP, contexts=pool)[0]
+        assert pool.created == 1
+    for name in sels:
+        assert pooled[name].same(fresh[name]), name
+    assert again.same(fresh["EARLY"])
+    assert fresh["EMPTY"].same(nat_r) and fresh["ALL"].same(nat_a)  # sham and whole-KV cross
+
+
+def test_follow_stops_at_the_first_output_that_leaves(model, a_r):
+    (ca, nat_a), (cr, nat_r) = a_r["A"], a_r["R"]
+    first = int(np.flatnonzero(nat_a.tokens[:len(nat_r.tokens)] != nat_r.tokens[:len(nat_a.tokens)])[0])
+    empty = select(load_selector("EMPTY"), cr.state)
+    left = subset_cross(model, ca, cr, empty, CAP, follow=nat_a.tokens)[0]  # R's endpoint, following A's
+    assert left.stop_reason == "left" and left.length == first + 1
+    assert np.array_equal(left.tokens[:first], nat_a.tokens[:first]) and left.tokens[first] != nat_a.tokens[first]
+    kept = subset_cross(model, ca, cr, empty, CAP, follow=nat_r.tokens)[0]  # following its own endpoint
+    assert kept.same(nat_r) and kept.stop_reason == nat_r.stop_reason
+
+
+def test_lanes_share_byte_identical_crosses(tmp_path):
+    """Arms A and C form the same state on an 81-token prompt (one ubatch either way), so the
+    cells A->R and C->R cross the same bytes into R: with lanes they run once."""
+    spec = tmp_path / "same.toml"
+    spec.write_text('name = "same-cross"\nbackend = "cpu"\nthreads = 1\ncap = 16\nrepeats = 1\n'
+                    'prompts = ["HumanEval/2"]\nselectors = ["EMPTY", "ALL", "LATE"]\n'
+                    'directions = ["A->R", "C->R"]\n[arms]\nA = "A"\nC = "C"\nR = "R"\n')
+    runs = {}
+    for name, extra in (("lanes", ("--executor", "batch", "--workers", "1", "--lanes", "2")),
+                        ("local", ("--executor", "local", "--workers", "2"))):
+        r = run_cli("study", "run", spec, "--out", tmp_path / name, *extra, env={"STATELAB_THREADS": "1"})
+        assert r.returncode == 0, r.stderr
+        runs[name] = {c["key"]: c for c in map(json.loads, (tmp_path / name / "cells.jsonl").read_text().splitlines())}
+    lanes, local = runs["lanes"], runs["local"]
+    assert len(lanes) == len(local) == 6
+    shared = [c for c in lanes.values() if c.get("same_cross_as")]
+    assert len(shared) == 3 and len({c["pid"] for c in lanes.values()}) == 1
+    for c in shared:
+        first = lanes[c["same_cross_as"]]
+        assert first["selector"] == c["selector"] and {first["direction"], c["direction"]} == {"A->R", "C->R"}
+        assert c["donor_kv_sha256"] == first["donor_kv_sha256"] and c["timing"]["cross_s"] == 0.0
+    assert not any(c.get("same_cross_as") for c in local.values())  # one process per cell: nothing shared
+    drop = {"timing", "pid", "same_cross_as"}
+    for key, c in local.items():
+        assert {k: v for k, v in lanes[key].items() if k not in drop} == {k: v for k, v in c.items() if k not in drop}
