@@ -14,6 +14,11 @@
 #                      block after S seconds and the next call resumes it (the campaign lives in $W)
 #   weights            audit matmul (both models), qualification of the +W arms on Gemma 3 and SmolLM2,
 #                      the locator on Gemma 3; results in $OUT/weights.tgz
+#   findings-start     the findings study on CUDA (benchmarks/device/findings_cuda.sh, its environment
+#                      passed on) in the background, from a copy of the repo under $W (later calls
+#                      replace the working tree); it outlives the call while the machine is warm
+#   findings-wait S    wait at most S seconds for it, print its progress; once it has ended, its
+#                      results in $OUT/findings_cuda.tgz
 set -uo pipefail
 . "$(dirname "$0")/common.sh"
 case "${1:-}" in
@@ -33,5 +38,22 @@ case "${1:-}" in
     SMOL=$W/model.gguf GEMMA=$W/gemma.gguf OUT=$R bash benchmarks/device/cuda_weights.sh "${2:-audit}" 2>&1 | tail -40
     tar -czf "$OUT/weights_${2:-audit}.tgz" -C "$OUT" weights
     ;;
-  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|drafter [SPEC]|weights [audit|qualify|locate|campaign]" >&2; exit 2 ;;
+  findings-start)
+    rm -rf $W/repo $W/findings.rc $W/fout && mkdir -p $W/repo
+    cp -r statelab studies selectors prompts benchmarks $W/repo/
+    setsid nohup bash -c "cd $W/repo && PYTHONPATH=/opt/site:$W/repo OUT=$W/fout bash benchmarks/device/findings_cuda.sh \
+      > $W/findings.log 2>&1; echo \$? > $W/findings.rc" >/dev/null 2>&1 &
+    sleep 2; echo "started: $W/findings.log"
+    ;;
+  findings-wait)
+    end=$(( $(date +%s) + ${2:-500} ))
+    while [ ! -f $W/findings.rc ] && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
+    tail -c 1500 $W/findings.log; echo
+    f=$W/runs/findings-cuda/cells.jsonl; [ -f "$f" ] && echo "cells recorded: $(wc -l < "$f")"
+    if [ -f $W/findings.rc ]; then
+      echo "ended with status $(cat $W/findings.rc)"; cp $W/findings.log $W/fout/ 2>/dev/null
+      tar -czf "$OUT/findings_cuda.tgz" -C $W fout && ls -la "$OUT"
+    fi
+    ;;
+  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|drafter [SPEC]|weights [audit|qualify|locate|campaign]|findings-start|findings-wait S" >&2; exit 2 ;;
 esac
