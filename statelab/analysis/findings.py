@@ -332,7 +332,7 @@ class Findings:
     nonmono_denominators: list
     minimal: dict
     panels: dict
-    same_mask_cells: int = 0
+    same_cross_cells: int = 0
 
     def as_dict(self) -> dict:
         return {"runs": [{"name": r.name, "folder": str(r.root), "spec_hash": r.spec["spec_hash"],
@@ -340,7 +340,7 @@ class Findings:
                 "divergence": self.divergence, "natural": self.natural, "separability": self.separability,
                 "separability_inputs": self.separability_inputs, "non_monotone_pairs": self.nonmono_pairs,
                 "non_monotone_denominators": self.nonmono_denominators, "minimal": self.minimal,
-                "panels": self.panels, "same_mask_cells": self.same_mask_cells}
+                "panels": self.panels, "same_cross_cells": self.same_cross_cells}
 
 
 def compute(runs: list[RunData]) -> Findings:
@@ -368,8 +368,9 @@ def markdown(f: Findings) -> str:
                    f"directions x {n['repeats']} repeats = {st.size} cells; {int((st == 'ok').sum())} done, "
                    f"{int((st == 'withheld').sum())} withheld, {int((st == 'failed').sum())} failed, "
                    f"{int((st == 'pending').sum())} pending; spec {run.spec['spec_hash'][:12]})")
-    out.append(f"\nCells whose selection had the byte mask of a cell already crossed on the same captures in the "
-               f"same process were crossed once and recorded under every name: {f.same_mask_cells} cells.\n")
+    out.append(f"\nCells whose cross had byte-identical inputs to one already run in the same process (the same "
+               f"selection mask on the same states, logits and recipient configuration) were run once and recorded "
+               f"under every name: {f.same_cross_cells} cells.\n")
     out.append("## 1. Natural endpoints per arm pair\n")
     out.append("Inputs whose natural endpoints (greedy, within the cap) differ, out of all inputs with controls.\n")
     out.append(md_table([("run", "run"), ("pair", "arm pair"), ("inputs", "inputs"), ("diverging", "diverging"),

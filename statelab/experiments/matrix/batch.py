@@ -11,12 +11,15 @@ byte-identical to one already run is not run again (its record names the cell th
 ``same_cross_as``), and each lane keeps one context per configuration, cleared before every
 cell (``runtime.ContextPool``).  With ``--lanes L`` L threads run cells at once, each with
 its own contexts over the one model: on a GPU one process (one CUDA context) then keeps the
-device busy with L streams, where L processes would time-slice it.
+device busy with L streams, where L processes would time-slice it.  With lanes, ggml-cuda's
+CUDA graphs are turned off (``GGML_CUDA_DISABLE_GRAPHS``, unless set): with them several
+contexts decoding in threads aborted on the H200.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import sys
 import threading
@@ -86,6 +89,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m statelab.experiments.matrix.batch")
     ap.add_argument("--lanes", type=int, default=1, help="cells at once, each lane in its own contexts")
     args = ap.parse_args(argv)
+    if args.lanes > 1:
+        # ggml-cuda's CUDA graphs are not safe with several contexts decoding in threads: on the
+        # H200 16 lanes aborted at ggml-cuda.cu:2658 (GGML_ASSERT(stat == cudaSuccess)) after
+        # about 10,000 cells, and ran without a failure with graphs off (docs/findings.md)
+        os.environ.setdefault("GGML_CUDA_DISABLE_GRAPHS", "1")
     tasks = json.loads(sys.stdin.read())
 
     def emit(rec: dict) -> None:
