@@ -78,3 +78,46 @@ def test_lanes_share_byte_identical_crosses(tmp_path):
     drop = {"timing", "pid", "same_cross_as"}
     for key, c in local.items():
         assert {k: v for k, v in lanes[key].items() if k not in drop} == {k: v for k, v in c.items() if k not in drop}
+
+
+def test_cell_cache_makes_each_value_once_and_forgets_failures():
+    import threading
+    import time
+
+    from statelab.experiments.matrix.cells import CellCache
+
+    cache, calls = CellCache(), []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.05)
+        return "v"
+
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(cache.get("k", slow))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and sorted(got) == [("v", False)] * 5 + [("v", True)]
+
+    def boom():
+        raise ValueError("no")
+
+    with pytest.raises(ValueError):
+        cache.get("bad", boom)
+    assert cache.get("bad", lambda: 3) == (3, True)  # a failure is not kept
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--executor", "batch", "--lanes", "0"), "--lanes must be a positive integer"),
+    (("--executor", "local", "--lanes", "2"), "--lanes needs the batch executor"),
+])
+def test_lanes_errors_are_one_line(tmp_path, args, needle):
+    from conftest import one_line_error
+
+    spec = tmp_path / "s.toml"
+    spec.write_text('name = "s"\ncap = 4\nprompts = ["HumanEval/2"]\nselectors = ["EMPTY"]\ndirections = ["A->R"]\n'
+                    '[arms]\nA = "A"\nR = "R"\n')
+    one_line_error(run_cli("study", "run", spec, "--out", tmp_path / "o", *args), needle)
+    assert not (tmp_path / "o").exists()  # refused before the folder is touched
