@@ -14,6 +14,7 @@ benchmark.  Then one cell is taken apart in this process (model load, reading an
 verifying the captures, context creation, state import, decode) for the breakdown.
 
     python benchmarks/study_executors.py [--spec studies/ci.toml] [--workers 2] [--rounds 1]
+        [--executors local-spawn,local,batch,batch:2]   (batch:L = the batch executor with L lanes)
 
 Writes (or replaces) the section "## Study executors" of docs/benchmarks.md.
 """
@@ -131,7 +132,8 @@ def main(argv=None) -> int:
     ap.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
     ap.add_argument("--keep", type=Path, default=None, help="keep the study folders here")
     ap.add_argument("--executors", default=",".join(EXECUTORS),
-                    help="comma-separated, local and local-spawn included (e.g. local-spawn,local,batch)")
+                    help="comma-separated, local and local-spawn included (e.g. local-spawn,local,batch,batch:2; "
+                         "batch:L runs the batch executor with L lanes)")
     args = ap.parse_args(argv)
     exs = tuple(x for x in args.executors.split(",") if x)
     if not {"local", "local-spawn"} <= set(exs):
@@ -146,8 +148,9 @@ def main(argv=None) -> int:
     runs: dict[str, list] = {ex: [] for ex in exs}
 
     def timed(ex, out):
+        name, _, lanes = ex.partition(":")
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        s = run_study(args.spec, out, ex, args.workers, spec=spec)
+        s = run_study(args.spec, out, name, args.workers, spec=spec, lanes=int(lanes or 1))
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         used = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         cpu[ex].append(used / max(s.ran, 1))

@@ -288,7 +288,12 @@ class ForkServer:
         except OSError as e:
             self._cleanup()
             raise ForkServerError(f"cannot start the fork server: {e}") from None
-        line = self._proc.stdout.readline().decode(errors="replace").strip()
+        try:
+            line = self._proc.stdout.readline().decode(errors="replace").strip()
+        except BaseException:  # Ctrl-C while the server imports: stop it now, leave no folder behind
+            self._proc.kill()
+            self.close()
+            raise
         if line != READY:
             self._proc.wait()
             tail = _tail(log)
