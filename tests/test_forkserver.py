@@ -81,3 +81,37 @@ def test_ctrl_c_while_the_server_starts_leaves_nothing(monkeypatch, tmp_path):
         ForkServer(preload=["slow_preload"], env=env).start()
     assert time.perf_counter() - t0 < 10
     assert not list(tmp_path.glob("statelab-fork-*"))
+
+
+def test_batch_process_crash_fails_only_the_started_cells(tmp_path):
+    """A batch process that dies fails the cells it had started; the cells it never started
+    run in a new process (as long as each process finishes one); a process that finishes
+    none fails them all."""
+    from statelab.experiments.executors import Unit, run_batch
+    from statelab.experiments.worker import MARKER, STARTED
+
+    (tmp_path / "fake_batch.py").write_text(
+        "import json, os, sys\n"
+        f"M, S = {MARKER!r}, {STARTED!r}\n"
+        "for t in json.loads(sys.stdin.read()):\n"
+        "    print(S + json.dumps(t['key']), flush=True)\n"
+        "    if t.get('crash') and not os.path.exists(t['crash']):\n"
+        "        open(t['crash'], 'w').close()\n"
+        "        os.abort()\n"
+        "    print(M + json.dumps({'key': t['key'], 'status': 'ok', 'pid': os.getpid()}), flush=True)\n")
+    unit = Unit("x:y", lambda t, e: {"key": t["key"], "status": "failed", "error": e},
+                env={"PYTHONPATH": str(tmp_path)}, batch="fake_batch")
+    flag = str(tmp_path / "crashed-once")
+    tasks = [{"key": "a"}, {"key": "b", "crash": flag}, {"key": "c"}, {"key": "d"}]
+    got = []
+    run_batch(unit, tasks, got.append)
+    by = {r["key"]: r for r in got}
+    assert len(got) == 4 and [by[k]["status"] for k in "abcd"] == ["ok", "failed", "ok", "ok"]
+    assert "during this cell" in by["b"]["error"] and by["a"]["pid"] != by["c"]["pid"] == by["d"]["pid"]
+
+    flag2 = str(tmp_path / "crashed-first")
+    got = []
+    run_batch(unit, [{"key": "x", "crash": flag2}, {"key": "y"}], got.append)
+    by = {r["key"]: r for r in got}
+    assert by["x"]["status"] == by["y"]["status"] == "failed"
+    assert "during this cell" in by["x"]["error"] and "before this cell" in by["y"]["error"]

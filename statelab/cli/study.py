@@ -27,7 +27,8 @@ def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)
               workers: int = typer.Option(2, "--workers", "-w", help="cells (batch: batch processes) running at once"),
               lanes: int = typer.Option(1, "--lanes", help="batch executor: cells at once in each batch process, "
                                         "which then runs a whole repeat (the shape for a GPU: --workers 1 --lanes 8)")):
-    """Run (or resume) a study: controls per prompt, then every cell in a fresh process."""
+    """Run (or resume) a study: controls per prompt, then every cell in a fresh process (batch:
+    a process per batch of cells, each cell in a cleared context)."""
     from statelab.experiments.matrix import run_study
     from statelab.experiments.matrix.progress import RichReporter
     from statelab.report import study_page

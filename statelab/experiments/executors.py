@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from statelab.errors import ConfigError
 from statelab.experiments.forkserver import ForkServer
-from statelab.experiments.worker import MARKER
+from statelab.experiments.worker import MARKER, STARTED
 
 EXECUTORS = ("local", "local-spawn", "batch", "dask-local")
 _DASK_ADDR = re.compile(r"^dask://(?P<host>[^:/\s]+):(?P<port>\d{1,5})$")
@@ -141,18 +141,37 @@ def run_batch(unit: Unit, tasks: list[dict], on_result: Callable[[dict], None],
               interrupted: threading.Event | None = None, lanes: int = 1) -> None:
     """Run a batch of tasks in one new process (``python -m unit.batch``: a JSON list of tasks
     on stdin, one marked record line per task on stdout as it finishes), passing each record
-    on as its line arrives; tasks without a record become failed records."""
+    on as its line arrives.  If the process dies, the tasks it had started (``STARTED``
+    lines) become failed records and those it never started run in a new process, as long as
+    each process finishes at least one task; otherwise they fail too."""
+    todo = list(tasks)
+    while todo:
+        started, results, code, tail = _batch_process(unit, todo, on_result, lanes)
+        if interrupted is not None and interrupted.is_set():
+            return  # the run was interrupted (Ctrl-C reached the batch too): its cells stay pending
+        left = [t for t in todo if t["key"] not in results]
+        never = [t for t in left if t["key"] not in started]
+        for t in left:
+            if t["key"] in started or not results:
+                on_result(unit.failed(t, tail if code is None else (
+                    f"the batch process exited with status {code} "
+                    f"{'during' if t['key'] in started else 'before'} this cell: {tail}")))
+        todo = never if results else []
+
+
+def _batch_process(unit: Unit, tasks: list[dict], on_result: Callable[[dict], None], lanes: int):
+    """One batch process over ``tasks``: (keys started, keys with a record, exit status, stderr tail)."""
     env = {**os.environ, **unit.env}
     env.setdefault("PYTHONUNBUFFERED", "1")
     pending = {t["key"]: t for t in tasks}
+    started: set[str] = set()
+    results: set[str] = set()
     try:
         proc = subprocess.Popen([sys.executable, "-m", unit.batch, "--lanes", str(lanes)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
                                 env=env)
     except OSError as e:
-        for t in tasks:
-            on_result(unit.failed(t, f"cannot start the batch process: {e}"))
-        return
+        return started, results, None, f"cannot start the batch process: {e}"
     with proc:
         err_lines: list[str] = []
         reader = threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True)
@@ -163,21 +182,21 @@ def run_batch(unit: Unit, tasks: list[dict], on_result: Callable[[dict], None],
         except BrokenPipeError:  # the process died before reading its tasks: reported below
             pass
         for line in proc.stdout:
-            if not line.startswith(MARKER):
-                continue
             try:
+                if line.startswith(STARTED):
+                    started.add(json.loads(line[len(STARTED):]))
+                    continue
+                if not line.startswith(MARKER):
+                    continue
                 rec = json.loads(line[len(MARKER):])
             except ValueError:
                 continue
             if pending.pop(rec.get("key"), None) is not None:
+                results.add(rec["key"])
                 on_result(rec)
         proc.wait()
         reader.join(timeout=5)
-    if interrupted is not None and interrupted.is_set():
-        return  # the run was interrupted (Ctrl-C reached the batch too): its cells stay pending
-    tail = " | ".join("".join(err_lines).strip().splitlines()[-3:])
-    for t in pending.values():
-        on_result(unit.failed(t, f"the batch process exited with status {proc.returncode} before this cell: {tail}"))
+    return started, results, proc.returncode, " | ".join("".join(err_lines).strip().splitlines()[-3:])
 
 
 def _run_batches(unit: Unit, tasks: list[dict], workers: int, on_result: Callable[[dict], None],

@@ -12,6 +12,7 @@ import time
 from statelab.experiments.forkserver import resolve
 
 MARKER = "STATELAB_UNIT "
+STARTED = "STATELAB_STARTED "  # a batch process took this task (JSON key): see executors.run_batch
 
 
 def main() -> int:

@@ -89,14 +89,21 @@ def account(recipient_state, new_state, selected_bytes: int, verified: bool) -> 
                          float(d.max_abs), float(d.l2), float(d.l2_rel), d.first_differing_layer, verified)
 
 
+def check_pair(model, donor: Capture, recipient: Capture, allow_other_backend: bool = False):
+    """The checks of every cross: one model and one prompt, and the donor's state importable
+    into the recipient's path (raises IdentityError / ArchiveError); the recipient's config."""
+    _same_prompt(donor, recipient)
+    config = config_of(recipient)
+    check_importable(donor, model, config, allow_other_backend)
+    return config
+
+
 def cross(model, donor: Capture, recipient: Capture, logits_from: str = "recipient", cap: int = DEFAULT_CAP,
           trace: bool = False, allow_other_backend: bool = False):
     """Whole-KV cross: the donor's KV in the recipient's path; logits from `logits_from`."""
     if logits_from not in ("recipient", "donor"):
         raise IdentityError(f"logits_from must be 'recipient' or 'donor', got {logits_from!r}")
-    _same_prompt(donor, recipient)
-    config = config_of(recipient)
-    check_importable(donor, model, config, allow_other_backend)
+    config = check_pair(model, donor, recipient, allow_other_backend)
     logits = recipient.logits if logits_from == "recipient" else donor.logits
     ep = import_and_continue(model, config, donor.blob, logits, recipient.n_prompt, check_cap(cap), trace)
     acc = account(recipient.state, donor.state, int(recipient.state.value_nbytes), True)
@@ -107,9 +114,7 @@ def subset_cross(model, donor: Capture, recipient: Capture, selection, cap: int 
                  trace: bool = False, allow_other_backend: bool = False, contexts=None, follow=None):
     """Only the selected bytes come from the donor; the recipient keeps its initial logits.
     ``contexts`` and ``follow`` as in :func:`import_and_continue`."""
-    _same_prompt(donor, recipient)
-    config = config_of(recipient)
-    check_importable(donor, model, config, allow_other_backend)
+    config = check_pair(model, donor, recipient, allow_other_backend)
     mixed = apply_subset(recipient.state, donor.state, selection)
     blob = mixed.to_bytes()
     ep = import_and_continue(model, config, blob, recipient.logits, recipient.n_prompt, check_cap(cap), trace,

@@ -51,8 +51,9 @@ def continue_greedy(ctx, logits0: np.ndarray, n_past: int, cap: int = DEFAULT_CA
     """Greedy continuation from available logits with n_past positions already in KV.
 
     ``follow`` (tokens): stop as soon as an output differs from the followed token at its
-    index or runs past them (stop reason ``left``): the endpoint is then known to differ from
-    the followed one (an oracle that only asks "the same endpoint?" need not decode further)."""
+    index or runs past them (stop reason ``left``, checked before EOG: an output that leaves on
+    an EOG token is ``left`` with ``eog`` False): the endpoint is then known to differ from the
+    followed one (an oracle that only asks "the same endpoint?" need not decode further)."""
     cap = check_cap(cap)
     follow = None if follow is None else np.asarray(follow, dtype=np.int32)
 

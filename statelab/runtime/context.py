@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -414,6 +415,12 @@ class Context(Closing):
             self.ptr = None
 
 
+# llama.cpp contexts are created and freed one at a time per process: creating or freeing a
+# context while another thread does the same is what llama.cpp issue 11804 reports CUDA
+# errors for; decoding goes on in parallel (each lane in its own context).
+_CONTEXT_LIFECYCLE = threading.Lock()
+
+
 class ContextPool(Closing):
     """Contexts kept for reuse, one per configuration, by ONE thread (a lane of a batch
     process or a search that runs many crosses): :meth:`get` returns the configuration's
@@ -430,15 +437,17 @@ class ContextPool(Closing):
     def get(self, config: ContextConfig) -> Context:
         ctx = self._contexts.get(config)
         if ctx is None or ctx.ptr is None:
-            ctx = self._contexts[config] = Context(self.model, config)
+            with _CONTEXT_LIFECYCLE:
+                ctx = self._contexts[config] = Context(self.model, config)
             self.created += 1
         else:
             ctx.clear()
         return ctx
 
     def close(self):
-        for ctx in self._contexts.values():
-            ctx.close()
+        with _CONTEXT_LIFECYCLE:
+            for ctx in self._contexts.values():
+                ctx.close()
         self._contexts.clear()
 
 

@@ -26,15 +26,17 @@ import threading
 import time
 
 from statelab.experiments.matrix.cells import CellCache, failed_record, run_cell
-from statelab.experiments.worker import MARKER
+from statelab.experiments.worker import MARKER, STARTED
 from statelab.runtime import ContextPool, Model
 
 
-def run_tasks(tasks: list[dict], lanes: int, emit) -> None:
+def run_tasks(tasks: list[dict], lanes: int, emit, started=None) -> None:
     """Run ``tasks`` on ``lanes`` threads sharing one model and one :class:`CellCache`;
-    ``emit(record)`` is called once per task (under a lock), in completion order."""
+    ``emit(record)`` is called once per task (under a lock), in completion order, and
+    ``started(key)`` (under the same lock) when a lane takes a task.  If ``emit`` raises (the
+    reader is gone), no lane starts another task."""
     t0 = time.perf_counter()
-    cache, lock = CellCache(), threading.Lock()
+    cache, lock, stop = CellCache(), threading.Lock(), threading.Event()
     todo: queue.SimpleQueue = queue.SimpleQueue()
     for t in tasks:
         todo.put(t)
@@ -55,11 +57,14 @@ def run_tasks(tasks: list[dict], lanes: int, emit) -> None:
     def lane() -> None:
         pool = None
         try:
-            while True:
+            while not stop.is_set():
                 try:
                     task = todo.get_nowait()
                 except queue.Empty:
                     return
+                if started is not None:
+                    with lock:
+                        started(task["key"])
                 t1 = time.perf_counter()
                 try:
                     model = model_for(task)
@@ -71,7 +76,11 @@ def run_tasks(tasks: list[dict], lanes: int, emit) -> None:
                 rec.setdefault("timing", {})["process_s"] = rec["timing"]["subprocess_s"] = time.perf_counter() - t1
                 rec["timing"]["batch_started_s"] = t1 - t0
                 with lock:
-                    emit(rec)
+                    try:
+                        emit(rec)
+                    except Exception:  # nobody reads the records any more: stop every lane
+                        stop.set()
+                        return
         finally:
             if pool is not None:
                 pool.close()
@@ -100,7 +109,11 @@ def main(argv=None) -> int:
         sys.stdout.write(MARKER + json.dumps(rec, sort_keys=True) + "\n")
         sys.stdout.flush()
 
-    run_tasks(tasks, args.lanes, emit)
+    def started(key: str) -> None:  # the runner reruns cells never started if this process dies
+        sys.stdout.write(STARTED + json.dumps(key) + "\n")
+        sys.stdout.flush()
+
+    run_tasks(tasks, args.lanes, emit, started)
     return 0
 
 

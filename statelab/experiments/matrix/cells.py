@@ -24,7 +24,7 @@ from statelab.lab.formation import Capture
 from statelab.errors import IdentityError
 from statelab.experiments.executors import Unit
 from statelab.experiments.naming import Direction
-from statelab.lab.intervene import config_of, subset_cross
+from statelab.lab.intervene import check_pair, config_of, subset_cross
 from statelab.lab.receiver import Endpoint
 from statelab.runtime import Model
 from statelab.selection import load_selector, select
@@ -132,13 +132,20 @@ def run_cell(task: dict, model=None, cache: CellCache | None = None, contexts=No
     def cached(key, make):
         return cache.get(key, make)[0]
 
-    donor = cached(("capture", task["donor_capture"]), lambda: load_capture(task["donor_capture"]))
-    recipient = cached(("capture", task["recipient_capture"]), lambda: load_capture(task["recipient_capture"]))
+    def capture(path):  # read, verified and parsed once per process (the lanes share it)
+        c = load_capture(path)
+        _ = c.state  # the parsed K/V, made here under the cache's once-only rule
+        return c
+
+    donor = cached(("capture", task["donor_capture"]), lambda: capture(task["donor_capture"]))
+    recipient = cached(("capture", task["recipient_capture"]), lambda: capture(task["recipient_capture"]))
     selector = cached(("selector", task["selector_source"]),
                       lambda: load_selector(task["selector_source"], search_dirs=task["selector_dirs"]))
     if selector.describe() != task["selector_terms"]:
         raise StudyError(f"selector {task['selector']} changed since the study started: "
                          f"{selector.describe()!r} != {task['selector_terms']!r}")
+    # every cell checks its own pair, also one whose cross another cell of this process ran
+    check_pair(model, donor, recipient)
     sel = select(selector, recipient.state)
     hashes_d = cached(("hashes", task["donor_capture"]), donor.hashes)
     hashes_r = cached(("hashes", task["recipient_capture"]), recipient.hashes)
