@@ -121,3 +121,29 @@ def test_lanes_errors_are_one_line(tmp_path, args, needle):
                     '[arms]\nA = "A"\nR = "R"\n')
     one_line_error(run_cli("study", "run", spec, "--out", tmp_path / "o", *args), needle)
     assert not (tmp_path / "o").exists()  # refused before the folder is touched
+
+
+def test_resume_without_captures_checks_the_states_of_finished_cells(tmp_path):
+    """A study folder carried without its captures (another device session, say) resumes
+    when the controls formed again give the states its finished cells crossed, byte for
+    byte; when they do not, it is refused in one line."""
+    import shutil
+
+    spec = tmp_path / "carry.toml"
+    spec.write_text('name = "carry"\nbackend = "cpu"\nthreads = 1\ncap = 4\nrepeats = 1\n'
+                    'prompts = ["HumanEval/2"]\nselectors = ["EMPTY", "ALL"]\ndirections = ["A->R"]\n'
+                    '[arms]\nA = "A"\nR = "R"\n')
+    out = tmp_path / "run"
+    assert run_cli("study", "run", spec, "--out", out, env={"STATELAB_THREADS": "1"}).returncode == 0
+    cells = (out / "cells.jsonl").read_text()
+    shutil.rmtree(out / "captures")
+    r = run_cli("study", "run", spec, "--out", out, env={"STATELAB_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    assert (out / "cells.jsonl").read_text() == cells  # nothing ran again: the same states
+    first = json.loads(cells.splitlines()[0])
+    (out / "cells.jsonl").write_text(cells.replace(first["recipient_kv_sha256"], "0" * 64))
+    shutil.rmtree(out / "captures")
+    r = run_cli("study", "run", spec, "--out", out, env={"STATELAB_THREADS": "1"})
+    last = r.stderr.strip().splitlines()[-1]  # after the progress lines (loading, controls)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert last.startswith("error:") and "formed again gives K/V" in last and "another machine" in last, r.stderr

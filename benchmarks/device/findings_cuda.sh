@@ -16,6 +16,10 @@
 #   LANES    cells at once in the batch process, each in its own llama.cpp context (default 8)
 #   FWORKERS target processes at once for the panels and minimal searches (default 2)
 #   PANEL_BUDGET, MINIMAL_BUDGET  seconds for the frontier panels / minimal searches (default 120 / 120)
+#   RESUME_FROM  a folder with spec.json, controls/ and cells.jsonl.gz of an earlier session's run
+#            (docs/findings/cuda/run/): a new RUN starts from its finished cells; the controls
+#            form the captures again and the study refuses to go on unless they are the states
+#            those cells crossed, byte for byte
 set -uo pipefail
 W=${W:-/opt/sl}
 OUT=${OUT:-/tmp/out}
@@ -49,6 +53,12 @@ if model:
 open(dst, "w", encoding="utf-8").write(text)
 EOF
 
+if [ -n "${RESUME_FROM:-}" ] && [ ! -f "$RUN/spec.json" ]; then
+  mkdir -p "$RUN" && cp -r "$RESUME_FROM/spec.json" "$RESUME_FROM/controls" "$RUN/" \
+    && gzip -dc "$RESUME_FROM/cells.jsonl.gz" > "$RUN/cells.jsonl" || exit 2
+  echo "== resuming from $RESUME_FROM: $(wc -l < "$RUN/cells.jsonl") cell records"
+fi
+
 t() { date +%s.%N; }
 T0=$(t)
 echo "== study run ($RUNSPEC -> $RUN, $WORKERS batch process(es) at once, $LANES lanes)"
@@ -66,7 +76,8 @@ sl study findings "$RUN" --out "$OUT/findings" 2>&1 | tail -2
 T4=$(t)
 cp "$RUN/results.nc" "$RUN/report.md" "$OUT/" 2>/dev/null
 for k in minimal panels; do [ -f "$RUN/findings/$k.jsonl" ] && cp "$RUN/findings/$k.jsonl" "$OUT/findings/"; done
-gzip -c "$RUN/cells.jsonl" > "$OUT/cells.jsonl.gz" 2>/dev/null
+mkdir -p "$OUT/run" && cp -r "$RUN/spec.json" "$RUN/controls" "$RUN/runs.jsonl" "$OUT/run/" 2>/dev/null
+gzip -c "$RUN/cells.jsonl" > "$OUT/run/cells.jsonl.gz" 2>/dev/null  # what RESUME_FROM takes
 
 echo "== where the time went"
 "$PY" - "$RUN" "$T0" "$T1" "$T2" "$T3" "$T4" "$WORKERS process(es) x $LANES lanes" <<'EOF' | tee "$OUT/time.txt"

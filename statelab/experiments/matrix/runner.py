@@ -61,6 +61,23 @@ def default_out(spec: StudySpec) -> Path:
     return Path("runs") / "studies" / spec.name
 
 
+def check_states_of_finished_cells(prompt_id: str, ctl: dict, finished) -> None:
+    """Controls formed again (the captures were missing or damaged: a folder carried to another
+    machine without its captures, say) must give the K/V states that the prompt's finished
+    cells crossed, byte for byte (sha256), or those cells describe other states: refused."""
+    kv = {arm: rec["kv"] for arm, rec in ctl["arms"].items()}
+    for r in finished:
+        if r.get("prompt") != prompt_id:
+            continue
+        for role in ("donor", "recipient"):
+            arm, sha = r.get(role), r.get(f"{role}_kv_sha256")
+            if arm in kv and sha and sha != kv[arm]:
+                raise StudyError(
+                    f"{prompt_id}: arm {arm} formed again gives K/V {kv[arm][:12]}, but the finished cell "
+                    f"{r['key']} crossed {sha[:12]} (another machine, build or backend): resume it where it ran, "
+                    "or start a new output folder")
+
+
 def _controls_current(sdir: StudyDir, spec: StudySpec, prompt) -> dict | None:
     ctl = sdir.read_controls(prompt.id)
     if ctl is None or ctl.get("spec_hash") != spec.hash:
@@ -100,11 +117,13 @@ def _run_locked(spec: StudySpec, sdir: StudyDir, executor: str, workers: int, re
         resumed = sdir.claim(spec)
         base = ContextConfig(backend=spec.backend, n_ctx=spec.n_ctx, n_threads=spec.threads)
         controls = {}
+        finished = CellLog(sdir.cells_path).done(spec.hash) if resumed else {}
         for p in spec.prompts:
             ctl = _controls_current(sdir, spec, p) if resumed else None
             if ctl is None:
                 rep.phase(f"controls {p.id}")
                 ctl = run_controls(model, spec, p, sdir, base)
+                check_states_of_finished_cells(p.id, ctl, finished.values())
                 sdir.write_controls(p.id, ctl)
             controls[p.id] = ctl
     finally:
