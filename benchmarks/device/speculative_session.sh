@@ -16,7 +16,8 @@
 #                      the locator on Gemma 3; results in $OUT/weights.tgz
 #   findings-start     the findings study on CUDA (benchmarks/device/findings_cuda.sh, its environment
 #                      passed on) in the background, from a copy of the repo under $W (later calls
-#                      replace the working tree); it outlives the call while the machine is warm
+#                      replace the working tree); it outlives the call while the machine is warm.
+#                      RESUME_FROM=docs/findings/cuda/run continues the last session's run
 #   findings-wait S    wait at most S seconds for it, print its progress; once it has ended, its
 #                      results in $OUT/findings_cuda.tgz
 set -uo pipefail
@@ -41,6 +42,9 @@ case "${1:-}" in
   findings-start)
     rm -rf $W/repo $W/findings.rc $W/fout && mkdir -p $W/repo
     cp -r statelab studies selectors prompts benchmarks $W/repo/
+    if [ -n "${RESUME_FROM:-}" ]; then   # an earlier session's run folder (docs/findings/cuda/run)
+      rm -rf $W/resume && cp -r "$RESUME_FROM" $W/resume && export RESUME_FROM=$W/resume
+    fi
     setsid nohup bash -c "cd $W/repo && PYTHONPATH=/opt/site:$W/repo OUT=$W/fout bash benchmarks/device/findings_cuda.sh \
       > $W/findings.log 2>&1; echo \$? > $W/findings.rc" >/dev/null 2>&1 &
     sleep 2; echo "started: $W/findings.log"
