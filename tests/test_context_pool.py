@@ -147,3 +147,4 @@ def test_resume_without_captures_checks_the_states_of_finished_cells(tmp_path):
     last = r.stderr.strip().splitlines()[-1]  # after the progress lines (loading, controls)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert last.startswith("error:") and "formed again gives K/V" in last and "another machine" in last, r.stderr
+

@@ -512,3 +512,15 @@ def test_a_replace_killed_between_its_renames_loses_nothing(tmp_path):
     write_files_atomic(dest, {"a.bin": b"new"}, {"format": "statelab.test/1"}, overwrite=True)
     assert read_verified(dest, "statelab.test/1")[1]["a.bin"] == b"new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["arch"]
+
+
+def test_atomic_writes_get_the_mode_of_an_ordinary_file(tmp_path):
+    import os
+    import stat
+
+    from statelab.paths import atomic_write_text
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    f = atomic_write_text(tmp_path / "table.md", "x")
+    assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask  # not the 0600 of a temporary file

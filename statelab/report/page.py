@@ -98,7 +98,7 @@ class Page:
 
 def write_file(path: Path, data: bytes) -> Path:
     """Atomically, with the mode of an ordinary new file (a page is meant to be read by others)."""
-    with atomic_path(path, umask_mode=True) as tmp:
+    with atomic_path(path) as tmp:
         tmp.write_bytes(data)
     return path
 

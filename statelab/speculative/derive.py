@@ -117,7 +117,7 @@ def derive_truncated(src: Path | None, dst: Path, n_layers: int, overwrite: bool
         raise ModelError(f"{src} lacks tensors for blocks {sorted(set(range(n_layers)) - present)}")
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(dst, umask_mode=True) as tmp:  # a model file is an ordinary file, not 0600
+    with atomic_path(dst) as tmp:
         writer = GGUFWriter(tmp, arch, endianess=reader.endianess)
         try:
             writer.data_alignment = reader.alignment
