@@ -206,12 +206,13 @@ Command: `python benchmarks/study_executors.py --spec {os.path.relpath(args.spec
 with other work, load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; spec hash {spec.hash[:12]}).
 
 Study `{spec.name}`: {len(spec.prompts)} prompts x {len(spec.selectors)} selectors x {len(spec.directions)} directions x {spec.repeats} repeats = {n_cells} cells, output cap {spec.cap}, {spec.threads} thread(s) per cell.
-Every cell runs in its own fresh process whose llama.cpp context has decoded nothing else, under every
-executor: `local` forks it from the pre-imported fork server (the default), `local-spawn` starts a new
-interpreter per cell (what every cell cost before the fork server), `dask-local` runs each cell's new
-interpreter from a Dask LocalCluster task; `batch` (study cells only) runs one new interpreter per
-(prompt, direction, repeat) with a fresh context per cell and crosses a byte-identical selection once per
-process (so its cells share a process, not a context). Timed: the cell phase only, from the first submission to the
+Under `local`, `local-spawn` and `dask-local` every cell runs in its own fresh process whose llama.cpp
+context has decoded nothing else: `local` forks it from the pre-imported fork server (the default),
+`local-spawn` starts a new interpreter per cell (what every cell cost before the fork server),
+`dask-local` runs each cell's new interpreter from a Dask LocalCluster task. `batch` (study cells only)
+runs one new interpreter per (prompt, direction, repeat), each cell in a context of its configuration
+cleared before it, and runs a cross with byte-identical inputs once per process (its cells share a
+process, not a state); `batch:L` runs one process per repeat with L cells at once (lanes). Timed: the cell phase only, from the first submission to the
 last durable append, the fork server's and Dask's start and shutdown included (start also shown apart);
 the per-prompt controls ran once, untimed, and every run starts from the same captures and controls.
 Rounds rotate the executors. Qualification: {qual}.
