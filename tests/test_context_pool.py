@@ -148,3 +148,14 @@ def test_resume_without_captures_checks_the_states_of_finished_cells(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert last.startswith("error:") and "formed again gives K/V" in last and "another machine" in last, r.stderr
 
+
+
+def test_batch_lanes_report_a_model_that_does_not_load_once_per_cell(tmp_path):
+    from statelab.experiments.matrix.batch import run_tasks
+
+    tasks = [{"key": f"k{i}", "spec_hash": "s", "prompt": "p", "selector": "EMPTY", "direction": "A->R",
+              "repeat": 0, "model": str(tmp_path / "missing.gguf"), "backend": "cpu"} for i in range(5)]
+    got, started = [], []
+    run_tasks(tasks, 2, got.append, started.append)
+    assert sorted(started) == sorted(r["key"] for r in got) == [f"k{i}" for i in range(5)]
+    assert all(r["status"] == "failed" and "missing.gguf" in r["error"] for r in got)

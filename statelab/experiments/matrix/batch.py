@@ -40,19 +40,12 @@ def run_tasks(tasks: list[dict], lanes: int, emit, started=None) -> None:
     todo: queue.SimpleQueue = queue.SimpleQueue()
     for t in tasks:
         todo.put(t)
-    model_box: dict = {}
-
-    def model_for(task: dict):
-        def load():
-            try:
-                return Model(task["model"], backend=task["backend"]), None
-            except Exception as e:  # the model did not load: not retried for every cell
-                return None, e
-        model, error = cache.get(("model",), load)[0]
-        if error is not None:
-            raise error
-        model_box["model"] = model
-        return model
+    model, load_error = None, None
+    if tasks:  # one model per study: loaded once, and a failed load is not retried for every cell
+        try:
+            model = Model(tasks[0]["model"], backend=tasks[0]["backend"])
+        except Exception as e:
+            load_error = e
 
     def lane() -> None:
         pool = None
@@ -67,7 +60,8 @@ def run_tasks(tasks: list[dict], lanes: int, emit, started=None) -> None:
                         started(task["key"])
                 t1 = time.perf_counter()
                 try:
-                    model = model_for(task)
+                    if load_error is not None:
+                        raise load_error
                     pool = pool or ContextPool(model)
                     rec = run_cell(task, model=model, cache=cache, contexts=pool)
                 except Exception as e:  # reported as a failed cell, never silently dropped
@@ -90,8 +84,8 @@ def run_tasks(tasks: list[dict], lanes: int, emit, started=None) -> None:
         th.start()
     for th in threads:
         th.join()
-    if "model" in model_box:
-        model_box["model"].close()
+    if model is not None:
+        model.close()
 
 
 def main(argv=None) -> int:
