@@ -15,9 +15,9 @@ Each target is one unit of the engine (:mod:`statelab.experiments.executors`, th
 a fresh process loads the model and reads and verifies the captures; the subset crosses of a
 search decode in one context per configuration, cleared before each (``runtime.ContextPool``),
 and stop at the first output that leaves the donor's endpoint (the oracle's question); those
-of a panel each get a new context and decode to the cap (their traces are the panel).  Targets are ordered so that every task and
-direction is served in turn (named selectors before single-layer ones); no new target starts
-once the time budget is spent; every result is appended as one JSON line (durably) to
+of a panel each get a new context and decode to the cap (their traces are the panel).
+Targets are ordered so that every task and direction is served in turn (named selectors
+before single-layer ones); no new target starts once the time budget is spent; every result is appended as one JSON line (durably) to
 ``OUT/findings/minimal.jsonl`` or ``OUT/findings/panels.jsonl`` under the study folder's
 writer lock.  Running again resumes:
 finished targets are skipped.  One process repeat per target (say so where reported).

@@ -153,7 +153,8 @@ def _run_locked(spec: StudySpec, sdir: StudyDir, executor: str, workers: int, re
         rep.finish()
         with open(sdir.root / "runs.jsonl", "a") as f:
             f.write(json.dumps({"started": time.time() - (time.perf_counter() - t0), "executor": executor,
-                                "workers": workers, "lanes": lanes, "cells_ran": counts["ran"], "failed": counts["failed"],
+                                "workers": workers, "lanes": lanes, "cells_ran": counts["ran"],
+                                "failed": counts["failed"],
                                 "cells_seconds": cells_seconds, "executor_overhead": overhead,
                                 "pid": os.getpid()}) + "\n")
     rep.phase("compiling results")
