@@ -281,17 +281,17 @@ class ForkServer:
         env.setdefault("PYTHONUNBUFFERED", "1")
         log = os.path.join(self._dir, "server.log")
         try:
-            with open(log, "wb") as err:
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "statelab.experiments.forkserver", self.socket_path, *self._preload],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
-        except OSError as e:
-            self._cleanup()
-            raise ForkServerError(f"cannot start the fork server: {e}") from None
-        try:
+            try:
+                with open(log, "wb") as err:
+                    self._proc = subprocess.Popen(
+                        [sys.executable, "-m", "statelab.experiments.forkserver", self.socket_path, *self._preload],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
+            except OSError as e:
+                raise ForkServerError(f"cannot start the fork server: {e}") from None
             line = self._proc.stdout.readline().decode(errors="replace").strip()
-        except BaseException:  # Ctrl-C while the server imports: stop it now, leave no folder behind
-            self._proc.kill()
+        except BaseException:  # Ctrl-C (or no server) during the start: stop it now, leave no folder behind
+            if self._proc is not None:
+                self._proc.kill()
             self.close()
             raise
         if line != READY:
