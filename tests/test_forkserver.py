@@ -65,24 +65,6 @@ def test_default_server_preloads_every_kind_without_a_backend():
     assert res == {"imported": want, "backend_initialised": False}
 
 
-def test_ctrl_c_while_the_server_starts_leaves_nothing(monkeypatch, tmp_path):
-    """Ctrl-C during the READY handshake (the server still importing its preload) stops the
-    server at once and removes its folder."""
-    import signal
-    import tempfile
-    import threading
-
-    (tmp_path / "slow_preload.py").write_text("import time\ntime.sleep(60)\n")
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-    t0 = time.perf_counter()
-    with pytest.raises(KeyboardInterrupt):
-        ForkServer(preload=["slow_preload"], env=env).start()
-    assert time.perf_counter() - t0 < 10
-    assert not list(tmp_path.glob("statelab-fork-*"))
-
-
 def test_batch_process_crash_fails_only_the_started_cells(tmp_path):
     """A batch process that dies fails the cells it had started; the cells it never started
     run in a new process (as long as each process finishes one); a process that finishes
