@@ -4,6 +4,7 @@ path on a real model through the CLI (studies/findings-ci.toml)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -195,6 +196,19 @@ def test_findings_path_on_real_model(tmp_path):
         assert r.returncode == 0, r.stderr
         recs = [json.loads(x) for x in (run / "findings" / f"{kind}.jsonl").read_text().splitlines()]
         assert len(recs) == n and all(x["status"] in ("ok", "skipped") for x in recs), recs
+    # the same targets on lanes (one process, 2 threads, the model loaded once) give the same records
+    lanes_run = tmp_path / "lanes"
+    shutil.copytree(run, lanes_run, ignore=shutil.ignore_patterns("findings"))
+    for kind, n in (("panels", 2), ("minimal", 1)):
+        r = run_cli("study", "findings-run", lanes_run, "--kind", kind, "--budget", "300", "--workers", "1",
+                    "--lanes", "2", "--limit", n, env={"STATELAB_THREADS": "1"})
+        assert r.returncode == 0, r.stderr
+        got = [json.loads(x) for x in (lanes_run / "findings" / f"{kind}.jsonl").read_text().splitlines()]
+        ref = [json.loads(x) for x in (run / "findings" / f"{kind}.jsonl").read_text().splitlines()]
+        assert len({g["pid"] for g in got if "pid" in g}) <= 1
+        timeless = lambda rs: sorted(({k: v for k, v in x.items() if k not in ("seconds", "pid", "timing")}
+                                      for x in rs), key=lambda x: x["key"])
+        assert timeless(got) == timeless(ref)
     mins = [json.loads(x) for x in (run / "findings" / "minimal.jsonl").read_text().splitlines()]
     for m in mins:
         if m["status"] == "ok":
@@ -251,3 +265,16 @@ def test_mask_box_reads_a_selection_back():
     assert mask_box(sel2, S)["component"] == "V"
     empty = Selection([np.zeros((6, 4), bool)] * 3, [np.zeros((4, 6), bool)] * 3, (2,) * 3, (2,) * 3, True)
     assert mask_box(empty, S) is None
+
+
+def test_a_lane_past_the_deadline_starts_no_target():
+    import time
+
+    from statelab.experiments.findings_run import lane_job
+
+    job = {"key": "HumanEval/2|ALL|A->R", "task": "HumanEval/2", "selector": "ALL", "direction": "A->R",
+           "spec_hash": "h", "kind": "minimal", "deadline": time.time() - 1}
+    assert lane_job(job, None, None, None) == {k: job[k] for k in ("key", "task", "selector", "direction",
+                                                                   "spec_hash")} | {"status": "not_started"}
+    with pytest.raises(KeyError, match="donor_capture"):  # no deadline (a run's first target): it starts
+        lane_job({**job, "deadline": None}, None, None, None)

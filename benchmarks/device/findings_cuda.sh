@@ -14,7 +14,9 @@
 #   WORKERS  batch processes at once (default 1: one process, one CUDA context on the GPU;
 #            several processes time-slice it, 16 made a 0.2 s cross take 14 s)
 #   LANES    cells at once in the batch process, each in its own llama.cpp context (default 8)
-#   FWORKERS target processes at once for the panels and minimal searches (default 2)
+#   FWORKERS processes for the panels and minimal searches (default 1)
+#   FLANES   targets at once in each of them, each in its own contexts (default 8; 1: one forked
+#            process per target, FWORKERS at a time, each initialising CUDA and loading the model)
 #   PANEL_BUDGET, MINIMAL_BUDGET  seconds for the frontier panels / minimal searches (default 120 / 120)
 #   RESUME_FROM  a folder with spec.json, controls/ and cells.jsonl.gz of an earlier session's run
 #            (docs/findings/cuda/run/): a new RUN starts from its finished cells; the controls
@@ -27,7 +29,8 @@ SPEC=${SPEC:-studies/findings-cuda.toml}
 RUN=${RUN:-$W/runs/$(basename "$SPEC" .toml)}
 WORKERS=${WORKERS:-1}
 LANES=${LANES:-8}
-FWORKERS=${FWORKERS:-2}
+FWORKERS=${FWORKERS:-1}
+FLANES=${FLANES:-8}
 PANEL_BUDGET=${PANEL_BUDGET:-120}
 MINIMAL_BUDGET=${MINIMAL_BUDGET:-120}
 export PYTHONUNBUFFERED=1 STATELAB_THREADS=${STATELAB_THREADS:-1}
@@ -66,10 +69,10 @@ sl study run "$RUNSPEC" --out "$RUN" --executor batch --workers "$WORKERS" --lan
 RC_RUN=${PIPESTATUS[0]}
 T1=$(t)
 echo "== frontier panels of class-B cells (budget ${PANEL_BUDGET} s)"
-sl study findings-run "$RUN" --kind panels --budget "$PANEL_BUDGET" --workers "$FWORKERS" 2>&1 | tail -2 | tee "$OUT/panels.txt"
+sl study findings-run "$RUN" --kind panels --budget "$PANEL_BUDGET" --workers "$FWORKERS" --lanes "$FLANES" 2>&1 | tail -2 | tee "$OUT/panels.txt"
 T2=$(t)
 echo "== minimal selections of class-B cells (budget ${MINIMAL_BUDGET} s)"
-sl study findings-run "$RUN" --kind minimal --budget "$MINIMAL_BUDGET" --workers "$FWORKERS" 2>&1 | tail -2 | tee "$OUT/minimal.txt"
+sl study findings-run "$RUN" --kind minimal --budget "$MINIMAL_BUDGET" --workers "$FWORKERS" --lanes "$FLANES" 2>&1 | tail -2 | tee "$OUT/minimal.txt"
 T3=$(t)
 echo "== findings tables"
 sl study findings "$RUN" --out "$OUT/findings" 2>&1 | tail -2
@@ -97,6 +100,11 @@ print(f"study run: {t1 - t0:.0f} s wall; cells phase {cells_s:.0f} s for {last.g
 if cross:
     print(f"cells: {len(ok)} ok, {len(ok) - len(ran)} shared a cross with byte-identical inputs (not run again); "
           f"subset cross median {statistics.median(cross):.3f} s, sum {sum(cross):.0f} s")
+    parts = {k: sum(c["timing"].get(f"cross_{k}", 0.0) for c in ran) for k in ("mix_s", "context_s", "import_s", "decode_s", "account_s")}
+    tokens = sum(c["length"] for c in ran)
+    if parts["decode_s"]:
+        print("inside the crosses (summed over lanes): " + ", ".join(f"{k[:-2]} {100 * v / sum(cross):.1f} %" for k, v in parts.items())
+              + f"; {tokens} tokens decoded, {1000 * parts['decode_s'] / tokens:.2f} ms per token per lane")
 print(f"frontier panels: {t2 - t1:.0f} s; minimal searches: {t3 - t2:.0f} s; findings tables: {t4 - t3:.0f} s; "
       f"total {t4 - t0:.0f} s")
 EOF

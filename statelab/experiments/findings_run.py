@@ -25,7 +25,9 @@ finished targets are skipped.  One process repeat per target (say so where repor
 from __future__ import annotations
 
 import os
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +35,9 @@ import numpy as np
 from statelab.analysis import frontier as F
 from statelab.analysis.classes import endpoint_class, minimal_sufficient_selection
 from statelab.errors import ConfigError
+from statelab.experiments import lanes as batch_lanes
 from statelab.experiments.executors import Unit, execute
+from statelab.experiments.lanes import CellCache
 from statelab.experiments.frontier_panels import frontier_rows, run_panels
 from statelab.experiments.matrix.cells import plan
 from statelab.experiments.matrix.results import load_dataset
@@ -111,34 +115,49 @@ def _box_selector(name: str, layers, component: str, positions):
 
 # ------------------------------------------------------------------ one target's process
 
-_W: dict = {}  # the unit's process (one target each): its model, the captures and selectors it has read
+
+@dataclass
+class _Env:
+    """What a target runs with: the model, the captures and selectors read once (a
+    :class:`CellCache`, shared by the lanes of a batch process) and the caller's contexts."""
+    model: Model
+    cache: CellCache
+    contexts: ContextPool
+
+    def capture(self, path: str):
+        def read():
+            c = load_capture(path)
+            _ = c.state  # parsed here, once, under the cache's once-only rule
+            return c
+        return self.cache.get(("capture", path), read)[0]
+
+    def selector(self, src: str, dirs):
+        return self.cache.get(("selector", src), lambda: load_selector(src, search_dirs=dirs))[0]
 
 
-def _load_model(job: dict) -> None:
-    if "model" in _W:
-        return
+_W: dict = {}  # the unit's process (fork server): its one _Env
+
+
+def _load_model(job: dict) -> Model:
     prepare_backend(job["backend"])
     model = Model(job["model_path"], backend=job["backend"])
     if model.sha256 != job["model_sha256"]:
         model.close()
         raise FindingsError(f"model {model.sha256[:12]} is not the study's {job['model_sha256'][:12]}")
-    _W.update(model=model, captures={}, selectors={}, contexts=ContextPool(model))
+    return model
 
 
-def _capture(path: str):
-    c = _W["captures"]
-    if path not in c:
-        c[path] = load_capture(path)
-    return c[path]
+def _env(job: dict) -> _Env:
+    if "env" not in _W:
+        model = _load_model(job)
+        _W["env"] = _Env(model, CellCache(), ContextPool(model))
+    return _W["env"]
 
 
-def _cell_selection(job: dict):
+def _cell_selection(job: dict, env: _Env):
     """The cell's selection on the recipient, its box and the box's own selection."""
-    recip = _capture(job["recipient_capture"])
-    src = job["selector_source"]
-    if src not in _W["selectors"]:
-        _W["selectors"][src] = load_selector(src, search_dirs=job["selector_dirs"])
-    sel = select(_W["selectors"][src], recip.state)
+    recip = env.capture(job["recipient_capture"])
+    sel = select(env.selector(job["selector_source"], job["selector_dirs"]), recip.state)
     box = mask_box(sel, recip.state)
     if box is None:
         return sel, None, None
@@ -146,12 +165,12 @@ def _cell_selection(job: dict):
     return sel, box, boxed
 
 
-def _minimal_job(job: dict) -> dict:
+def _minimal_job(job: dict, env: _Env) -> dict:
     t0 = time.perf_counter()
-    model = _W["model"]
-    donor, recip = _capture(job["donor_capture"]), _capture(job["recipient_capture"])
+    model = env.model
+    donor, recip = env.capture(job["donor_capture"]), env.capture(job["recipient_capture"])
     nat_d, nat_r = Endpoint.from_dict(job["natural_donor"]), Endpoint.from_dict(job["natural_recipient"])
-    sel, box, boxed = _cell_selection(job)
+    sel, box, boxed = _cell_selection(job, env)
     rec = {k: job[k] for k in ("key", "task", "selector", "direction", "spec_hash")}
     if box is None or not boxed.equals(sel):
         return {**rec, "status": "skipped", "reason": "the selection is not one box of layers x component x positions"}
@@ -162,7 +181,7 @@ def _minimal_job(job: dict) -> dict:
         # the oracle asks "the donor's endpoint?": decoding stops at the first output that
         # leaves it (exact: an endpoint that left it cannot be the donor's)
         s = select(_box_selector("candidate", [layers[i] for i in ls], comp, pr), recip.state)
-        ep, _ = subset_cross(model, donor, recip, s, job["cap"], contexts=_W["contexts"], follow=nat_d.tokens)
+        ep, _ = subset_cross(model, donor, recip, s, job["cap"], contexts=env.contexts, follow=nat_d.tokens)
         return endpoint_class(ep, nat_d, nat_r) == "B"
 
     # layer indices into the cell's own layer list, so the search stays inside the cell
@@ -189,11 +208,11 @@ def panel_components(box: dict) -> tuple[tuple, tuple] | None:
             (box["layers"], box["component"], (mid, hi), f"pos[{mid},{hi})"))
 
 
-def _panel_job(job: dict) -> dict:
+def _panel_job(job: dict, env: _Env) -> dict:
     t0 = time.perf_counter()
-    model = _W["model"]
-    donor, recip = _capture(job["donor_capture"]), _capture(job["recipient_capture"])
-    sel, box, boxed = _cell_selection(job)
+    model = env.model
+    donor, recip = env.capture(job["donor_capture"]), env.capture(job["recipient_capture"])
+    sel, box, boxed = _cell_selection(job, env)
     rec = {k: job[k] for k in ("key", "task", "selector", "direction", "spec_hash")}
     if box is None or not boxed.equals(sel):
         return {**rec, "status": "skipped", "reason": "the selection is not one box of layers x component x positions"}
@@ -202,7 +221,7 @@ def _panel_job(job: dict) -> dict:
         return {**rec, "status": "skipped", "reason": "one component at one position: no two-part split"}
     (l1, c1, p1, n1), (l2, c2, p2, n2) = comps
     s1, s2 = _box_selector(n1, l1, c1, p1), _box_selector(n2, l2, c2, p2)
-    pr = run_panels(model, donor, recip, {"P": (s1, s2)}, job["cap"])
+    pr = run_panels(model, donor, recip, {"P": (s1, s2)}, job["cap"], contexts=env.contexts)
     traces = [F.ArmTrace(arm, 0, pr.runs[rid].tokens, pr.runs[rid].trace, model.sha256, recip.prompt_sha256,
                          trace_id=rid) for arm, rid in pr.arms["P"].items()]
     ds = F.analyse_panel(job["task"], job["recipient"], job["selector"], job["direction"], traces,
@@ -227,26 +246,39 @@ def failed_job(job: dict, error: str) -> dict:
 def run_job(job: dict) -> dict:
     """One target in its own process (the engine's unit function)."""
     try:
-        _load_model(job)
-        return _JOBS[job["kind"]](job)
+        return _JOBS[job["kind"]](job, _env(job))
     except Exception as e:  # a failed target is recorded, never silently dropped
         return failed_job(job, f"{type(e).__name__}: {e}")
 
 
-JOB = Unit("statelab.experiments.findings_run:run_job", failed_job)
+def lane_job(job: dict, model, cache: CellCache, contexts: ContextPool) -> dict:
+    """One target on a lane of a batch process (``--lanes``): the model and the captures are
+    the process's, the contexts the lane's; a target whose lane comes free after the budget's
+    deadline is not started (status ``not_started``, not logged; the first target of a run
+    has no deadline: every run makes progress)."""
+    if job["deadline"] is not None and time.time() >= job["deadline"]:
+        return {k: job[k] for k in ("key", "task", "selector", "direction", "spec_hash")} | {"status": "not_started"}
+    return _JOBS[job["kind"]](job, _Env(model, cache, contexts))
+
+
+JOB = Unit("statelab.experiments.findings_run:run_job", failed_job,
+           batch="statelab.experiments.findings_run", batch_key=lambda job, lanes: (job["group"],))
 
 
 # ------------------------------------------------------------------ driver
 
 
 def run_findings(out, kind: str, budget_s: float, workers: int = 2, limit: int | None = None,
-                 progress=None) -> dict:
+                 progress=None, lanes: int = 1) -> dict:
     """Run ``kind`` (minimal | panels) for the class-B cells of the study folder ``out``
-    within ``budget_s`` seconds of wall time (no new target starts after it); resumes."""
+    within ``budget_s`` seconds of wall time (no new target starts after it); resumes.
+    ``lanes`` L > 1: ``workers`` batch processes, each loading the model once and running L
+    targets at once on threads, each lane in its own contexts (the GPU shape, as the study's
+    ``--lanes``); otherwise one forked process per target, ``workers`` at a time."""
     if kind not in KINDS:
         raise FindingsError(f"unknown findings kind {kind!r}: use {' or '.join(KINDS)}")
-    if not budget_s > 0 or workers < 1:
-        raise FindingsError("the budget must be positive seconds and --workers at least 1")
+    if not budget_s > 0 or workers < 1 or lanes < 1:
+        raise FindingsError("the budget must be positive seconds, --workers and --lanes at least 1")
     sdir = StudyDir(out)
     if not sdir.results_path.is_file():
         raise FindingsError(f"{out}: no results.nc; run `statelab study run` (or `study report`) first")
@@ -280,15 +312,27 @@ def run_findings(out, kind: str, budget_s: float, workers: int = 2, limit: int |
                    "model_sha256": norm["model_sha256"]}
 
         def on_result(rec: dict) -> None:
+            if rec["status"] == "not_started":  # its lane came free after the deadline
+                return
             log.append(rec)
             counts["ran"] += 1
             counts[rec["status"]] += 1
             if progress is not None:
                 progress(rec)
 
-        if jobs:
+        if jobs and lanes > 1:
+            wall_deadline = time.time() + (deadline - time.perf_counter())
+            execute([{**j, **process, "group": i % workers,
+                      "deadline": wall_deadline if i else None} for i, j in enumerate(jobs)],
+                    JOB, "batch", workers, on_result, error=FindingsError, lanes=lanes)
+        elif jobs:
             execute([{**j, **process} for j in jobs], JOB, "local", workers, on_result,
                     stop=lambda: time.perf_counter() >= deadline, error=FindingsError)
         counts["not_started"] = len(jobs) - counts["ran"]
         counts["seconds"] = time.perf_counter() - t0
         return counts
+
+
+if __name__ == "__main__":  # a batch process of targets (run_findings with lanes)
+    sys.exit(batch_lanes.main("statelab.experiments.findings_run", sys.argv[1:], work=lane_job, failed=failed_job,
+                              load=_load_model))

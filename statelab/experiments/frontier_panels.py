@@ -221,8 +221,10 @@ class PanelRuns:
     imports: dict
 
 
-def run_panels(model, donor, recipient, panels: dict, cap: int, share_identical: bool = True) -> PanelRuns:
+def run_panels(model, donor, recipient, panels: dict, cap: int, share_identical: bool = True,
+               contexts=None) -> PanelRuns:
     """Run the four arms of each panel as subset crosses (``panels``: name -> (Selector, Selector)).
+    ``contexts`` (a ``runtime.ContextPool``): decode in its cleared contexts, not new ones.
 
     BOTH is the union of the two component selections.  With ``share_identical`` an arm whose
     mixed KV payload equals an earlier arm's byte for byte reuses that run (identical inputs to
@@ -251,7 +253,7 @@ def run_panels(model, donor, recipient, panels: dict, cap: int, share_identical:
             if key not in by_payload:
                 rid = f"run{len(runs)}"
                 t0 = time.perf_counter()
-                ep, _ = subset_cross(model, donor, recipient, sel, cap, trace=True)
+                ep, _ = subset_cross(model, donor, recipient, sel, cap, trace=True, contexts=contexts)
                 if ep.trace is None or ep.trace.shape[0] != ep.length:
                     raise FrontierRunError(f"subset cross {pname}/{code} returned no aligned logit trace")
                 runs[rid] = ep

@@ -1,6 +1,7 @@
 """Natural endpoints, shams, whole-KV crosses and subset crosses, with byte accounting."""
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
 
@@ -48,15 +49,19 @@ class ImportAccount:
 
 
 def import_and_continue(model, config, blob: bytes, logits0: np.ndarray, n_prompt: int, cap: int,
-                        trace: bool = False, contexts=None, follow=None) -> Endpoint:
+                        trace: bool = False, contexts=None, follow=None, timing: dict | None = None) -> Endpoint:
     """The common receiver with read-back verification: the imported state must read back
     byte for byte before any token is decoded.  ``contexts`` (a ``runtime.ContextPool``):
     decode in the pool's cleared context for ``config`` instead of a new one.  ``follow``
-    (tokens): stop at the first output that leaves them (``continue_greedy``)."""
+    (tokens): stop at the first output that leaves them (``continue_greedy``).  ``timing``: a
+    dict that receives the seconds of the context (``context_s``), of the import with its
+    read-back (``import_s``) and of the decoding (``decode_s``)."""
+    t0 = time.perf_counter()
     if not np.all(np.isfinite(logits0)):
         raise DecodeError("the capture has no initial logits (a state imported without them): import it again "
                           "with --logits recompute")
     with (nullcontext(contexts.get(config)) if contexts is not None else Context(model, config)) as ctx:
+        t1 = time.perf_counter()
         ctx.state_set(blob)
         back = ctx.state_get()
         if back != blob:
@@ -64,7 +69,11 @@ def import_and_continue(model, config, blob: bytes, logits0: np.ndarray, n_promp
         got = ctx.seq_pos_max(0)
         if got != n_prompt - 1:
             raise DecodeError(f"restored state ends at position {got}, expected {n_prompt - 1}")
-        return continue_greedy(ctx, logits0, n_prompt, cap, trace, follow=follow)
+        t2 = time.perf_counter()
+        ep = continue_greedy(ctx, logits0, n_prompt, cap, trace, follow=follow)
+        if timing is not None:
+            timing.update(context_s=t1 - t0, import_s=t2 - t1, decode_s=time.perf_counter() - t2)
+        return ep
 
 
 def sham(model, capture: Capture, cap: int = DEFAULT_CAP, trace: bool = False) -> Endpoint:
@@ -111,13 +120,21 @@ def cross(model, donor: Capture, recipient: Capture, logits_from: str = "recipie
 
 
 def subset_cross(model, donor: Capture, recipient: Capture, selection, cap: int = DEFAULT_CAP,
-                 trace: bool = False, allow_other_backend: bool = False, contexts=None, follow=None):
+                 trace: bool = False, allow_other_backend: bool = False, contexts=None, follow=None,
+                 timing: dict | None = None):
     """Only the selected bytes come from the donor; the recipient keeps its initial logits.
-    ``contexts`` and ``follow`` as in :func:`import_and_continue`."""
+    ``contexts``, ``follow`` and ``timing`` as in :func:`import_and_continue`; ``timing``
+    also gets the seconds of mixing the payload (``mix_s``) and of the byte account
+    (``account_s``)."""
     config = check_pair(model, donor, recipient, allow_other_backend)
+    t0 = time.perf_counter()
     mixed = apply_subset(recipient.state, donor.state, selection)
     blob = mixed.to_bytes()
+    t1 = time.perf_counter()
     ep = import_and_continue(model, config, blob, recipient.logits, recipient.n_prompt, check_cap(cap), trace,
-                             contexts, follow)
+                             contexts, follow, timing)
+    t2 = time.perf_counter()
     acc = account(recipient.state, mixed, int(selection.selected_bytes), True)
+    if timing is not None:
+        timing.update(mix_s=t1 - t0, account_s=time.perf_counter() - t2)
     return ep, acc

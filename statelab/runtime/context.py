@@ -241,6 +241,12 @@ class TensorCapture:
         self.tensors.clear()
 
 
+# llama.cpp contexts are created and freed one at a time per process: creating or freeing a
+# context while another thread does the same is what llama.cpp issue 11804 reports CUDA
+# errors for; decoding goes on in parallel (each lane in its own context).
+_CONTEXT_LIFECYCLE = threading.Lock()
+
+
 class Context(Closing):
     """A llama context over one model with an explicit configuration."""
 
@@ -264,7 +270,8 @@ class Context(Closing):
         if capture is not None:
             p.cb_eval = capture._cb
             p.cb_eval_user_data = None
-        ptr = L.llama_init_from_model(model.ptr, p)
+        with _CONTEXT_LIFECYCLE:
+            ptr = L.llama_init_from_model(model.ptr, p)
         if not ptr:
             raise ConfigError(f"llama.cpp could not create a context with {c.as_dict()}")
         self.ptr = ptr
@@ -411,14 +418,9 @@ class Context(Closing):
         if getattr(self, "ptr", None):
             L.llama_batch_free(self._batch)
             L.llama_sampler_free(self._greedy)
-            L.llama_free(self.ptr)
+            with _CONTEXT_LIFECYCLE:
+                L.llama_free(self.ptr)
             self.ptr = None
-
-
-# llama.cpp contexts are created and freed one at a time per process: creating or freeing a
-# context while another thread does the same is what llama.cpp issue 11804 reports CUDA
-# errors for; decoding goes on in parallel (each lane in its own context).
-_CONTEXT_LIFECYCLE = threading.Lock()
 
 
 class ContextPool(Closing):
@@ -437,17 +439,15 @@ class ContextPool(Closing):
     def get(self, config: ContextConfig) -> Context:
         ctx = self._contexts.get(config)
         if ctx is None or ctx.ptr is None:
-            with _CONTEXT_LIFECYCLE:
-                ctx = self._contexts[config] = Context(self.model, config)
+            ctx = self._contexts[config] = Context(self.model, config)
             self.created += 1
         else:
             ctx.clear()
         return ctx
 
     def close(self):
-        with _CONTEXT_LIFECYCLE:
-            for ctx in self._contexts.values():
-                ctx.close()
+        for ctx in self._contexts.values():
+            ctx.close()
         self._contexts.clear()
 
 

@@ -12,9 +12,7 @@ import hashlib
 import json
 import os
 import socket
-import threading
 import time
-from concurrent.futures import Future
 
 import numpy as np
 
@@ -23,6 +21,7 @@ from statelab.lab.archive import load_capture
 from statelab.lab.formation import Capture
 from statelab.errors import IdentityError
 from statelab.experiments.executors import Unit
+from statelab.experiments.lanes import CellCache
 from statelab.experiments.naming import Direction
 from statelab.lab.intervene import check_pair, config_of, subset_cross
 from statelab.lab.receiver import Endpoint
@@ -72,33 +71,6 @@ def failed_record(task: dict, error: str, **extra) -> dict:
     return {"key": task["key"], "spec_hash": task["spec_hash"], "prompt": task["prompt"],
             "selector": task["selector"], "direction": task["direction"], "repeat": task["repeat"],
             "status": "failed", "error": " ".join(str(error).split())[:2000], **extra}
-
-
-class CellCache:
-    """What one batch process keeps between its cells, safe to share by its lanes (threads):
-    each value is made once (:meth:`get`; others asking for it meanwhile wait for it), so
-    the verified captures, the selectors, the captures' hashes and the crosses already run
-    are read or computed once per process.  A value whose making raised is not kept."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._values: dict = {}
-
-    def get(self, key, make):
-        """(value, made_here): made_here is True for the caller that computed it."""
-        with self._lock:
-            fut = self._values.get(key)
-            mine = fut is None
-            if mine:
-                fut = self._values[key] = Future()
-        if mine:
-            try:
-                fut.set_result(make())
-            except BaseException as e:
-                with self._lock:
-                    del self._values[key]
-                fut.set_exception(e)
-        return fut.result(), mine
 
 
 def cross_identity(donor_hashes: dict, recipient: Capture, recipient_hashes: dict, selection, cap: int) -> str:
@@ -151,9 +123,10 @@ def run_cell(task: dict, model=None, cache: CellCache | None = None, contexts=No
     hashes_r = cached(("hashes", task["recipient_capture"]), recipient.hashes)
     identity = cross_identity(hashes_d, recipient, hashes_r, sel, task["cap"])
     t_ready = time.perf_counter()
+    parts: dict = {}  # where the cross's time went (intervene.subset_cross), when it ran here
     (ep, acc, first_key), ran_here = cache.get(
-        ("cross", identity), lambda: (*subset_cross(model, donor, recipient, sel, int(task["cap"]), contexts=contexts),
-                                      task["key"]))
+        ("cross", identity), lambda: (*subset_cross(model, donor, recipient, sel, int(task["cap"]), contexts=contexts,
+                                                    timing=parts), task["key"]))
     t_done = time.perf_counter()
     nat_d = Endpoint.from_dict(task["natural_donor"])
     nat_r = Endpoint.from_dict(task["natural_recipient"])
@@ -172,7 +145,8 @@ def run_cell(task: dict, model=None, cache: CellCache | None = None, contexts=No
         "length": ep.length, "stop_reason": ep.stop_reason, "eog": bool(ep.eog),
         "donor_kv_sha256": hashes_d["kv"], "recipient_kv_sha256": hashes_r["kv"],
         "timing": {"load_s": t_load - t0, "prepare_s": t_ready - t_load,
-                   "cross_s": t_done - t_ready if ran_here else 0.0, "cell_s": t_done - t0},
+                   "cross_s": t_done - t_ready if ran_here else 0.0, "cell_s": t_done - t0,
+                   **({f"cross_{k}": v for k, v in parts.items()} if ran_here else {})},
         "pid": os.getpid(), "host": socket.gethostname(),
     }
     if not ran_here:  # the same computation ran for another cell of this process
