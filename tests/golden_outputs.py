@@ -42,7 +42,8 @@ STUDIES = {  # name -> (cli arguments before --out, spec)
 # keys whose values are measured or name a process, a machine, a moment or a location
 VOLATILE = {"timing", "pid", "host", "seconds", "wall_s", "started", "created", "created_at", "time", "t_s",
             "executor_overhead", "cells_seconds",
-            "seal"}  # the seal of a manifest that holds a pid or a time
+            "seal",  # the seal of a manifest that holds a pid or a time
+            "build_key", "patch_series_sha256"}  # the build: a patch that changes no result (0004) changes these
 # campaign fields that are times or derived from them: request seconds, where a cycle's time
 # went (t_*), the ratio estimates, their intervals, session contrasts and threshold verdicts
 CAMPAIGN_TIMES = re.compile(r"^(seconds|t_\w+|estimate|lower|upper|session_log_contrasts|above_threshold)$")

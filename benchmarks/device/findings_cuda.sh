@@ -57,8 +57,12 @@ open(dst, "w", encoding="utf-8").write(text)
 EOF
 
 if [ -n "${RESUME_FROM:-}" ] && [ ! -f "$RUN/spec.json" ]; then
-  mkdir -p "$RUN" && cp -r "$RESUME_FROM/spec.json" "$RESUME_FROM/controls" "$RUN/" \
+  mkdir -p "$RUN/findings" && cp -r "$RESUME_FROM/spec.json" "$RESUME_FROM/controls" "$RUN/" \
     && gzip -dc "$RESUME_FROM/cells.jsonl.gz" > "$RUN/cells.jsonl" || exit 2
+  for k in minimal panels; do  # finished panels and searches are not run again
+    if [ -f "$RESUME_FROM/findings/$k.jsonl.gz" ]; then gzip -dc "$RESUME_FROM/findings/$k.jsonl.gz" > "$RUN/findings/$k.jsonl"
+    elif [ -f "$RESUME_FROM/findings/$k.jsonl" ]; then cp "$RESUME_FROM/findings/$k.jsonl" "$RUN/findings/"; fi
+  done
   echo "== resuming from $RESUME_FROM: $(wc -l < "$RUN/cells.jsonl") cell records"
 fi
 
@@ -79,8 +83,9 @@ sl study findings "$RUN" --out "$OUT/findings" 2>&1 | tail -2
 T4=$(t)
 cp "$RUN/results.nc" "$RUN/report.md" "$OUT/" 2>/dev/null
 for k in minimal panels; do [ -f "$RUN/findings/$k.jsonl" ] && cp "$RUN/findings/$k.jsonl" "$OUT/findings/"; done
-mkdir -p "$OUT/run" && cp -r "$RUN/spec.json" "$RUN/controls" "$RUN/runs.jsonl" "$OUT/run/" 2>/dev/null
+mkdir -p "$OUT/run/findings" && cp -r "$RUN/spec.json" "$RUN/controls" "$RUN/runs.jsonl" "$OUT/run/" 2>/dev/null
 gzip -c "$RUN/cells.jsonl" > "$OUT/run/cells.jsonl.gz" 2>/dev/null  # what RESUME_FROM takes
+for k in minimal panels; do [ -f "$RUN/findings/$k.jsonl" ] && gzip -c "$RUN/findings/$k.jsonl" > "$OUT/run/findings/$k.jsonl.gz"; done
 
 echo "== where the time went"
 "$PY" - "$RUN" "$T0" "$T1" "$T2" "$T3" "$T4" "$WORKERS process(es) x $LANES lanes" <<'EOF' | tee "$OUT/time.txt"
@@ -93,6 +98,7 @@ cells = [json.loads(l) for l in (run / "cells.jsonl").read_text().splitlines() i
 ok = [c for c in cells if c.get("status") == "ok"]
 ran = [c for c in ok if not c.get("same_cross_as")]
 cross = [c["timing"]["cross_s"] for c in ran if "timing" in c]
+split = [c for c in ran if "cross_decode_s" in c.get("timing", {})]  # cells that record the parts of their cross
 cells_s = float(last.get("cells_seconds", 0.0))
 print(f"study run: {t1 - t0:.0f} s wall; cells phase {cells_s:.0f} s for {last.get('cells_ran', 0)} cells "
       f"({60 * last.get('cells_ran', 0) / cells_s if cells_s else 0:.0f} cells/min, {workers}); "
@@ -100,11 +106,14 @@ print(f"study run: {t1 - t0:.0f} s wall; cells phase {cells_s:.0f} s for {last.g
 if cross:
     print(f"cells: {len(ok)} ok, {len(ok) - len(ran)} shared a cross with byte-identical inputs (not run again); "
           f"subset cross median {statistics.median(cross):.3f} s, sum {sum(cross):.0f} s")
-    parts = {k: sum(c["timing"].get(f"cross_{k}", 0.0) for c in ran) for k in ("mix_s", "context_s", "import_s", "decode_s", "account_s")}
-    tokens = sum(c["length"] for c in ran)
-    if parts["decode_s"]:
-        print("inside the crosses (summed over lanes): " + ", ".join(f"{k[:-2]} {100 * v / sum(cross):.1f} %" for k, v in parts.items())
-              + f"; {tokens} tokens decoded, {1000 * parts['decode_s'] / tokens:.2f} ms per token per lane")
+    parts = {k: sum(c["timing"].get(f"cross_{k}", 0.0) for c in split) for k in ("mix_s", "context_s", "import_s", "decode_s", "account_s")}
+    tokens = sum(c["length"] for c in split)
+    if split:
+        whole = sum(c["timing"]["cross_s"] for c in split)
+        print(f"inside the crosses of the {len(split)} cells that record their parts (summed over lanes): "
+              + ", ".join(f"{k[:-2]} {100 * v / whole:.1f} %" for k, v in parts.items())
+              + f"; {tokens} tokens decoded, {1000 * parts['decode_s'] / tokens:.2f} ms per token per lane, "
+              f"import {parts['import_s'] / len(split):.3f} s per cross")
 print(f"frontier panels: {t2 - t1:.0f} s; minimal searches: {t3 - t2:.0f} s; findings tables: {t4 - t3:.0f} s; "
       f"total {t4 - t0:.0f} s")
 EOF

@@ -114,8 +114,10 @@ _SIGNATURES = {
     "llama_statelab_last_weight_repair": ([_vp, ctypes.POINTER(_i32), ctypes.POINTER(_i32), ctypes.c_char_p,
                                            ctypes.c_size_t], _i32),
     "llama_statelab_get_weight_counters": ([_vp, ctypes.POINTER(_u64), ctypes.POINTER(_u64)], None),
+    "llama_statelab_get_state_copies": ([ctypes.POINTER(_u64), ctypes.POINTER(_u64)], None),
 }
 _PATCH_OF = {name: "0003-row-invariant-weight-products.patch" for name in _SIGNATURES if "weight" in name}
+_PATCH_OF["llama_statelab_get_state_copies"] = "0004-state-copies-2d.patch"
 _fns: dict[str, object] = {}
 
 
@@ -303,6 +305,15 @@ def counters(ctx) -> dict[str, int]:
         _fn("llama_statelab_get_weight_counters")(_ptr(ctx), ctypes.byref(wp), ctypes.byref(wr))
         out.update(weight_products=int(wp.value), weight_row_products=int(wr.value))
     return out
+
+
+def state_copies() -> dict[str, int]:
+    """Process-wide, cumulative (patch 0004): the K/V pieces the host state readers and writers
+    recorded (llama_state_*_get_data / _set_data) and the backend copies that moved them; one
+    strided copy per run of equal pieces, so a transposed V layer is one copy, not one per row."""
+    pieces, copies = _u64(0), _u64(0)
+    _fn("llama_statelab_get_state_copies")(ctypes.byref(pieces), ctypes.byref(copies))
+    return {"pieces": int(pieces.value), "copies": int(copies.value)}
 
 
 def reset_counters(ctx) -> None:
