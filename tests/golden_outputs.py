@@ -42,8 +42,11 @@ STUDIES = {  # name -> (cli arguments before --out, spec)
 # keys whose values are measured or name a process, a machine, a moment or a location
 VOLATILE = {"timing", "pid", "host", "seconds", "wall_s", "started", "created", "created_at", "time", "t_s",
             "executor_overhead", "cells_seconds",
-            "seal",  # the seal of a manifest that holds a pid or a time
-            "build_key", "patch_series_sha256"}  # the build: a patch that changes no result (0004) changes these
+            "seal"}  # the seal of a manifest that holds a pid or a time
+# the build's identity: a patch that changes no result (0004) changes these, in both the golden
+# files and the outputs
+BUILD = {"build_key", "patch_series_sha256"}
+VOLATILE |= BUILD
 # campaign fields that are times or derived from them: request seconds, where a cycle's time
 # went (t_*), the ratio estimates, their intervals, session contrasts and threshold verdicts
 CAMPAIGN_TIMES = re.compile(r"^(seconds|t_\w+|estimate|lower|upper|session_log_contrasts|above_threshold)$")
@@ -70,6 +73,15 @@ def _text(s: str, paths) -> str:
     # any other checkout or venv path of the same files
     s = re.sub(r"/[^\s'\"`()]*?/(selectors|studies)(?=/|$)", r"<REPO>/\1", s)
     return s
+
+
+def golden(kind: str) -> dict:
+    """The golden files of ``kind`` as stored, without the build's identity (``BUILD``)."""
+    def strip(obj):
+        if isinstance(obj, dict):
+            return {k: strip(v) for k, v in obj.items() if k not in BUILD}
+        return [strip(v) for v in obj] if isinstance(obj, list) else obj
+    return strip(json.loads((GOLDEN / f"{kind}.json").read_text()))
 
 
 def _json(obj, paths, drop=VOLATILE, times: re.Pattern | None = None):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from golden_outputs import GOLDEN, STUDIES, normalise, run
+from golden_outputs import STUDIES, golden, normalise, run
 
 pytestmark = pytest.mark.model
 
@@ -21,7 +21,7 @@ def _diff(want, got, limit: int = 40) -> str:
 
 @pytest.mark.parametrize("kind", sorted(STUDIES))
 def test_outputs_equal_the_golden_files(kind, tmp_path):
-    want = json.loads((GOLDEN / f"{kind}.json").read_text())
+    want = golden(kind)
     got = normalise(run(kind, tmp_path / kind), kind)
     assert sorted(got) == sorted(want), f"{kind}: other files: {sorted(set(got) ^ set(want))}"
     for name in want:
@@ -34,7 +34,7 @@ def test_batch_executor_gives_the_golden_study(tmp_path, lanes):
     configuration cleared before each cell; with 2 lanes one process per repeat, two cells at
     once in their own contexts) gives the same records and reports as the golden per-cell
     processes, each of which decoded in a new context."""
-    want = json.loads((GOLDEN / "ci.json").read_text())
+    want = golden("ci")
     got = normalise(run("ci", tmp_path / "ci", extra=("--executor", "batch", "--lanes", str(lanes))), "ci")
     assert sorted(got) == sorted(want)
     for name in want:
