@@ -18,6 +18,8 @@
 #                      passed on) in the background, from a copy of the repo under $W (later calls
 #                      replace the working tree); it outlives the call while the machine is warm.
 #                      RESUME_FROM=docs/findings/cuda/run continues the last session's run
+#   import-bench       benchmarks/state_import.py on CUDA: state import/export with and without patch 0004
+#                      (builds the series up to 0003 too, about 4.5 min); the section in $OUT/state_import.txt
 #   findings-wait S    wait at most S seconds for it, print its progress; once it has ended, its
 #                      results in $OUT/findings_cuda.tgz
 set -uo pipefail
@@ -59,5 +61,9 @@ case "${1:-}" in
       tar -czf "$OUT/findings_cuda.tgz" -C $W fout && ls -la "$OUT"
     fi
     ;;
-  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|drafter [SPEC]|weights [audit|qualify|locate|campaign]|findings-start|findings-wait S" >&2; exit 2 ;;
+  import-bench)
+    python3 benchmarks/state_import.py --backend cuda --tree $W/llama_cpp_python-0.3.36 --no-write 2>&1 \
+      | tee "$OUT/state_import.txt" | tail -20
+    ;;
+  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|drafter [SPEC]|weights [audit|qualify|locate|campaign]|findings-start|findings-wait S|import-bench" >&2; exit 2 ;;
 esac
