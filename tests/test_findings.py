@@ -271,10 +271,11 @@ def test_a_lane_past_the_deadline_starts_no_target():
     import time
 
     from statelab.experiments.findings_run import lane_job
+    from statelab.experiments.lanes import CellCache
 
     job = {"key": "HumanEval/2|ALL|A->R", "task": "HumanEval/2", "selector": "ALL", "direction": "A->R",
            "spec_hash": "h", "kind": "minimal", "deadline": time.time() - 1}
     assert lane_job(job, None, None, None) == {k: job[k] for k in ("key", "task", "selector", "direction",
                                                                    "spec_hash")} | {"status": "not_started"}
     with pytest.raises(KeyError, match="donor_capture"):  # no deadline (a run's first target): it starts
-        lane_job({**job, "deadline": None}, None, None, None)
+        lane_job({**job, "deadline": None}, None, CellCache(), None)

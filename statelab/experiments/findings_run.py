@@ -42,11 +42,10 @@ from statelab.experiments.frontier_panels import frontier_rows, run_panels
 from statelab.experiments.matrix.cells import plan
 from statelab.experiments.matrix.results import load_dataset
 from statelab.experiments.matrix.store import CellLog, StudyDir
-from statelab.lab.archive import load_capture
 from statelab.lab.intervene import subset_cross
 from statelab.lab.receiver import Endpoint
 from statelab.runtime import ContextPool, Model, prepare_backend
-from statelab.selection import Selector, Term, load_selector, select
+from statelab.selection import Selector, Term, select
 
 KINDS = ("minimal", "panels")
 
@@ -124,16 +123,6 @@ class _Env:
     cache: CellCache
     contexts: ContextPool
 
-    def capture(self, path: str):
-        def read():
-            c = load_capture(path)
-            _ = c.state  # parsed here, once, under the cache's once-only rule
-            return c
-        return self.cache.get(("capture", path), read)[0]
-
-    def selector(self, src: str, dirs):
-        return self.cache.get(("selector", src), lambda: load_selector(src, search_dirs=dirs))[0]
-
 
 _W: dict = {}  # the unit's process (fork server): its one _Env
 
@@ -156,8 +145,8 @@ def _env(job: dict) -> _Env:
 
 def _cell_selection(job: dict, env: _Env):
     """The cell's selection on the recipient, its box and the box's own selection."""
-    recip = env.capture(job["recipient_capture"])
-    sel = select(env.selector(job["selector_source"], job["selector_dirs"]), recip.state)
+    recip = env.cache.capture(job["recipient_capture"])
+    sel = select(env.cache.selector(job["selector_source"], job["selector_dirs"]), recip.state)
     box = mask_box(sel, recip.state)
     if box is None:
         return sel, None, None
@@ -168,7 +157,7 @@ def _cell_selection(job: dict, env: _Env):
 def _minimal_job(job: dict, env: _Env) -> dict:
     t0 = time.perf_counter()
     model = env.model
-    donor, recip = env.capture(job["donor_capture"]), env.capture(job["recipient_capture"])
+    donor, recip = env.cache.capture(job["donor_capture"]), env.cache.capture(job["recipient_capture"])
     nat_d, nat_r = Endpoint.from_dict(job["natural_donor"]), Endpoint.from_dict(job["natural_recipient"])
     sel, box, boxed = _cell_selection(job, env)
     rec = {k: job[k] for k in ("key", "task", "selector", "direction", "spec_hash")}
@@ -211,7 +200,7 @@ def panel_components(box: dict) -> tuple[tuple, tuple] | None:
 def _panel_job(job: dict, env: _Env) -> dict:
     t0 = time.perf_counter()
     model = env.model
-    donor, recip = env.capture(job["donor_capture"]), env.capture(job["recipient_capture"])
+    donor, recip = env.cache.capture(job["donor_capture"]), env.cache.capture(job["recipient_capture"])
     sel, box, boxed = _cell_selection(job, env)
     rec = {k: job[k] for k in ("key", "task", "selector", "direction", "spec_hash")}
     if box is None or not boxed.equals(sel):

@@ -25,7 +25,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from statelab.experiments.worker import MARKER, STARTED
+from statelab.lab.archive import load_capture
 from statelab.runtime import ContextPool
+from statelab.selection import load_selector
 
 
 class CellCache:
@@ -53,6 +55,18 @@ class CellCache:
                     del self._values[key]
                 fut.set_exception(e)
         return fut.result(), mine
+
+    def capture(self, path: str):
+        """The capture at ``path``, read, verified and parsed once per process (the lanes share it)."""
+        def read():
+            c = load_capture(path)
+            _ = c.state  # the parsed K/V, made here under the once-only rule
+            return c
+        return self.get(("capture", path), read)[0]
+
+    def selector(self, source: str, search_dirs):
+        """The selector file ``source``, read once per process."""
+        return self.get(("selector", source), lambda: load_selector(source, search_dirs=search_dirs))[0]
 
 
 # work(task, model, cache, contexts) -> record; failed(task, message) -> record; load(task) -> Model

@@ -17,7 +17,6 @@ import time
 import numpy as np
 
 from statelab.analysis.classes import endpoint_class, first_difference
-from statelab.lab.archive import load_capture
 from statelab.lab.formation import Capture
 from statelab.errors import IdentityError
 from statelab.experiments.executors import Unit
@@ -26,7 +25,7 @@ from statelab.experiments.naming import Direction
 from statelab.lab.intervene import check_pair, config_of, subset_cross
 from statelab.lab.receiver import Endpoint
 from statelab.runtime import Model
-from statelab.selection import load_selector, select
+from statelab.selection import select
 from statelab.experiments.matrix.spec import StudyError, cell_key
 
 
@@ -104,15 +103,8 @@ def run_cell(task: dict, model=None, cache: CellCache | None = None, contexts=No
     def cached(key, make):
         return cache.get(key, make)[0]
 
-    def capture(path):  # read, verified and parsed once per process (the lanes share it)
-        c = load_capture(path)
-        _ = c.state  # the parsed K/V, made here under the cache's once-only rule
-        return c
-
-    donor = cached(("capture", task["donor_capture"]), lambda: capture(task["donor_capture"]))
-    recipient = cached(("capture", task["recipient_capture"]), lambda: capture(task["recipient_capture"]))
-    selector = cached(("selector", task["selector_source"]),
-                      lambda: load_selector(task["selector_source"], search_dirs=task["selector_dirs"]))
+    donor, recipient = cache.capture(task["donor_capture"]), cache.capture(task["recipient_capture"])
+    selector = cache.selector(task["selector_source"], task["selector_dirs"])
     if selector.describe() != task["selector_terms"]:
         raise StudyError(f"selector {task['selector']} changed since the study started: "
                          f"{selector.describe()!r} != {task['selector_terms']!r}")
