@@ -88,33 +88,6 @@ gzip -c "$RUN/cells.jsonl" > "$OUT/run/cells.jsonl.gz" 2>/dev/null  # what RESUM
 for k in minimal panels; do [ -f "$RUN/findings/$k.jsonl" ] && gzip -c "$RUN/findings/$k.jsonl" > "$OUT/run/findings/$k.jsonl.gz"; done
 
 echo "== where the time went"
-"$PY" - "$RUN" "$T0" "$T1" "$T2" "$T3" "$T4" "$WORKERS process(es) x $LANES lanes" <<'EOF' | tee "$OUT/time.txt"
-import json, statistics, sys
-from pathlib import Path
-run = Path(sys.argv[1]); t0, t1, t2, t3, t4 = map(float, sys.argv[2:7]); workers = sys.argv[7]
-runs = [json.loads(l) for l in (run / "runs.jsonl").read_text().splitlines() if l.strip()] if (run / "runs.jsonl").is_file() else []
-last = runs[-1] if runs else {}
-cells = [json.loads(l) for l in (run / "cells.jsonl").read_text().splitlines() if l.strip()] if (run / "cells.jsonl").is_file() else []
-ok = [c for c in cells if c.get("status") == "ok"]
-ran = [c for c in ok if not c.get("same_cross_as")]
-cross = [c["timing"]["cross_s"] for c in ran if "timing" in c]
-split = [c for c in ran if "cross_decode_s" in c.get("timing", {})]  # cells that record the parts of their cross
-cells_s = float(last.get("cells_seconds", 0.0))
-print(f"study run: {t1 - t0:.0f} s wall; cells phase {cells_s:.0f} s for {last.get('cells_ran', 0)} cells "
-      f"({60 * last.get('cells_ran', 0) / cells_s if cells_s else 0:.0f} cells/min, {workers}); "
-      f"controls, captures and compile {t1 - t0 - cells_s:.0f} s")
-if cross:
-    print(f"cells: {len(ok)} ok, {len(ok) - len(ran)} shared a cross with byte-identical inputs (not run again); "
-          f"subset cross median {statistics.median(cross):.3f} s, sum {sum(cross):.0f} s")
-    parts = {k: sum(c["timing"].get(f"cross_{k}", 0.0) for c in split) for k in ("mix_s", "context_s", "import_s", "decode_s", "account_s")}
-    tokens = sum(c["length"] for c in split)
-    if split:
-        whole = sum(c["timing"]["cross_s"] for c in split)
-        print(f"inside the crosses of the {len(split)} cells that record their parts (summed over lanes): "
-              + ", ".join(f"{k[:-2]} {100 * v / whole:.1f} %" for k, v in parts.items())
-              + f"; {tokens} tokens decoded, {1000 * parts['decode_s'] / tokens:.2f} ms per token per lane, "
-              f"import {parts['import_s'] / len(split):.3f} s per cross")
-print(f"frontier panels: {t2 - t1:.0f} s; minimal searches: {t3 - t2:.0f} s; findings tables: {t4 - t3:.0f} s; "
-      f"total {t4 - t0:.0f} s")
-EOF
+"$PY" benchmarks/device/findings_time.py "$RUN" --phases "$T0" "$T1" "$T2" "$T3" "$T4" \
+  --shape "$WORKERS process(es) x $LANES lanes" | tee "$OUT/time.txt"
 exit "$RC_RUN"
