@@ -90,6 +90,7 @@ __all__ = [
     "make_iswa_state",
     "make_state",
     "type_name",
+    "v_layout",
     "values_f64",
 ]
 
@@ -151,6 +152,12 @@ def _check_type(t: int, what: str, offset: int | None = None) -> np.dtype:
             f"KV caches of these types can be parsed: {_supported()}"
         )
     return _KV_TYPES[t][2]
+
+
+def v_layout(v_trans: bool) -> str:
+    """How a state stores V, in words (refusals name it): llama.cpp transposes V exactly when
+    flash attention is off."""
+    return "transposed V (no flash attention)" if v_trans else "untransposed V (flash attention)"
 
 
 def is_quantised(t: int) -> bool:
@@ -257,8 +264,9 @@ class CachePart:
 class _Reader:
     """Cursor over a blob that names the field and offset of every failure."""
 
-    def __init__(self, buf: memoryview):
+    def __init__(self, buf: memoryview, copy: bool = True):
         self.buf = buf
+        self.copy = copy
         self.n = len(buf)
         self.off = 0
 
@@ -280,7 +288,8 @@ class _Reader:
     def array(self, dtype: np.dtype, shape: tuple[int, ...], what: str) -> np.ndarray:
         count = int(np.prod(shape, dtype=np.int64))
         start = self.need(count * dtype.itemsize, what)
-        return np.frombuffer(self.buf, dtype=dtype, count=count, offset=start).reshape(shape).copy()
+        a = np.frombuffer(self.buf, dtype=dtype, count=count, offset=start).reshape(shape)
+        return a.copy() if self.copy else a
 
 
 def _parse_meta(r: _Reader, n_cells: int, ext_size: int, header_seq: int):
@@ -420,9 +429,9 @@ def _refuse_memory(layout: "MemoryLayout | None") -> None:
         )
 
 
-def _parse(buf: memoryview, ext_size: int, layout: "MemoryLayout | None") -> "KVState":
+def _parse(buf: memoryview, ext_size: int, layout: "MemoryLayout | None", copy: bool = True) -> "KVState":
     _refuse_memory(layout)
-    r = _Reader(buf)
+    r = _Reader(buf, copy)
     magic = r.scalar("<I", "sequence-state magic")
     if magic != SEQ_STATE_MAGIC:
         raise KVFormatError(
@@ -518,16 +527,18 @@ class KVState:
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def parse(cls, blob: bytes | bytearray | memoryview, layout: MemoryLayout | None = None) -> "KVState":
+    def parse(cls, blob: bytes | bytearray | memoryview, layout: MemoryLayout | None = None,
+              copy: bool = True) -> "KVState":
         """Parse a ``llama_state_seq_get_data`` blob; raise :class:`KVFormatError` on anything unexpected.
 
         ``layout`` (the model's :class:`MemoryLayout`) names the model layer of every stored
         layer and the window of a sliding-window part, checks the part and layer counts,
         and refuses recurrent / hybrid memories by name; without it, a second part is read
-        as an iSWA sliding-window cache whose layers are known only by their index."""
+        as an iSWA sliding-window cache whose layers are known only by their index.
+        ``copy=False``: the value arrays are views of ``blob`` (no copy; writable when it is)."""
         buf = memoryview(blob).cast("B")
         try:
-            return _parse(buf, 0, layout)
+            return _parse(buf, 0, layout, copy)
         except KVFormatError as err:
             # A blob written by a model whose cells carry extension records (M-RoPE / PLE)
             # has 12 more bytes per cell: recognise it only to refuse it with a clear message.
@@ -689,6 +700,55 @@ class KVState:
                 raise KVFormatError(
                     f"L{il}.V: array {a.dtype} {a.shape} does not match type {type_name(t)} and {expect} with {n} cells"
                 )
+
+    def check_positions(self) -> None:
+        """The cells' positions as llama.cpp writes one sequence's state; raise
+        :class:`KVFormatError` in one line naming the part, the cell and the position.
+
+        A plain or full cache holds the sequence's cells in order: positions ``0..n-1``. The
+        sliding-window cache holds the positions its window still sees (``n - 1 - p < n_swa``
+        for a standard window; without a known window: the last ``n_cells`` positions), each
+        once, in order: what the pinned build writes for Gemma 3 270M (window 512) after a
+        680-token prompt, formed with ubatch 64 or 512, with or without flash attention, is
+        positions 168..679 ascending (its sliding-window cache mirrors the full cache's cell
+        layout, so the cells are never rotated)."""
+        ps = self.part_list
+        n = None
+        for p in ps:
+            pos = np.asarray(p.positions, dtype=np.int64)
+            name = "KV cache" if p.kind == "kv" else f"{p.kind} cache"
+            if p.kind != "swa":
+                bad = np.flatnonzero(pos != np.arange(len(pos)))
+                if bad.size:
+                    i = int(bad[0])
+                    raise KVFormatError(f"{name}: cell {i} holds position {int(pos[i])}, expected {i} (the cells of "
+                                        f"a sequence hold positions 0..{len(pos) - 1} in order)")
+                n = len(pos) if n is None else n
+                continue
+            if not len(pos):
+                continue
+            end = int(pos.max()) + 1 if n is None else n
+            lo = max(0, end - p.n_swa) if p.n_swa and p.swa_type == SWA_STANDARD else end - len(pos)
+            want = np.arange(lo, end)
+            _, first_at = np.unique(pos, return_index=True)
+            dup = np.setdiff1d(np.arange(len(pos)), first_at)
+            outside = np.flatnonzero((pos < lo) | (pos >= end))
+            if dup.size or outside.size:
+                i = int(min(dup.min() if dup.size else len(pos), outside.min() if outside.size else len(pos)))
+                if outside.size and i == int(outside.min()):
+                    why = f" outside the window's positions {lo}..{end - 1}"
+                else:
+                    why = f" a second time (first at cell {int(np.flatnonzero(pos == pos[i])[0])})"
+            elif len(pos) != len(want):
+                i = len(pos) - 1
+                why = f", but the part holds {len(pos)} cells where the window sees {len(want)} ({lo}..{end - 1})"
+            else:
+                bad = np.flatnonzero(pos != want)
+                if not bad.size:
+                    continue
+                i = int(bad[0])
+                why = f", expected {int(want[i])} (the window's positions {lo}..{end - 1}, each once, in order)"
+            raise KVFormatError(f"{name}: cell {i} holds position {int(pos[i])}{why}")
 
     # ---------------------------------------------------------------- serialisation
     @staticmethod

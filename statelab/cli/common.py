@@ -24,6 +24,8 @@ console = Console(width=None if sys.stdout.isatty() else 160)  # logs keep whole
 err = Console(stderr=True)
 
 ModelOpt = typer.Option(None, "--model", "-m", help="GGUF model file (default: the embedded SmolLM2-135M-Instruct)")
+CaptureModelOpt = typer.Option(None, "--model", "-m", help="GGUF model file or short name (default: the capture's "
+                               "recorded model, found by path or short name and checked by sha256)")
 BackendOpt = typer.Option("cpu", "--backend", "-b", help=one_of(BACKENDS))
 BackendLongOpt = typer.Option("cpu", "--backend", help=one_of(BACKENDS))  # where -b means something else
 CapOpt = typer.Option(128, "--cap", help="output cap (generated tokens)")
@@ -41,6 +43,16 @@ def setup(model_path, backend: str, threads: int = 0, n_ctx: int = 1024):
 
     config = ContextConfig(backend=backend, n_threads=threads, n_ctx=n_ctx)
     return Model(model_path, backend=backend), config
+
+
+def model_for(capture, model_path):
+    """``--model`` when given, else the capture's recorded model (found by path or short name and
+    checked by sha256)."""
+    if model_path is not None:
+        return model_path
+    from statelab.lab.archive import capture_model_path
+
+    return capture_model_path(capture)
 
 
 def prompt_of(prompt: Optional[str], humaneval: Optional[str], prompt_file: Optional[Path],

@@ -13,9 +13,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from statelab.cli.common import (BackendOpt, CapOpt, CtxOpt, HumanEvalOpt, JsonOpt, ModelOpt, PromptFileOpt,
-                                 PromptOpt, ThreadsOpt, app, console, load_capture_dir, print_endpoint, prompt_of,
-                                 setup)
+from statelab.cli.common import (BackendOpt, CapOpt, CaptureModelOpt, CtxOpt, HumanEvalOpt, JsonOpt, ModelOpt,
+                                 PromptFileOpt, PromptOpt, ThreadsOpt, app, console, load_capture_dir, model_for,
+                                 print_endpoint, prompt_of, setup)
 
 
 @app.command()
@@ -76,7 +76,7 @@ def capture(out: Path = typer.Argument(..., help="output folder (must not exist)
 
 @app.command("continue")
 def continue_(capture_dir: Path = typer.Argument(..., help="a capture folder"), cap: int = CapOpt,
-              model: Optional[Path] = ModelOpt, backend: Optional[str] = typer.Option(
+              model: Optional[Path] = CaptureModelOpt, backend: Optional[str] = typer.Option(
                   None, "--backend", "-b", help="recipient backend (default: the capture's)"),
               allow_backend: bool = typer.Option(False, "--allow-backend", help="allow another backend"),
               json_out: bool = JsonOpt):
@@ -90,14 +90,14 @@ def continue_(capture_dir: Path = typer.Argument(..., help="a capture folder"), 
     cfg = config_of(c)
     if backend:
         cfg = cfg.with_(backend=backend)
-    m, _ = setup(model, cfg.backend)
+    m, _ = setup(model_for(c, model), cfg.backend)
     check_importable(c, m, cfg, allow_backend)
     ep = import_and_continue(m, cfg, c.blob, c.logits, c.n_prompt, cap)
     print_endpoint(m, ep, f"{c.prompt_id} [{c.schedule.name}] via receiver on {cfg.backend}", json_out)
 
 
 @app.command("sham")
-def sham_(capture_dir: Path = typer.Argument(...), cap: int = CapOpt, model: Optional[Path] = ModelOpt,
+def sham_(capture_dir: Path = typer.Argument(...), cap: int = CapOpt, model: Optional[Path] = CaptureModelOpt,
           json_out: bool = JsonOpt):
     """Restore a capture into its own path and compare with its natural endpoint."""
     from statelab.experiments.partition import sham_control
@@ -106,7 +106,7 @@ def sham_(capture_dir: Path = typer.Argument(...), cap: int = CapOpt, model: Opt
 
     check_cap(cap)
     c = load_capture_dir(capture_dir)
-    m, _ = setup(model, config_of(c).backend)
+    m, _ = setup(model_for(c, model), config_of(c).backend)
     s, fd = sham_control(m, c, cap)
     print_endpoint(m, s, f"sham {c.prompt_id} [{c.schedule.name}]", json_out)
     if not json_out:
@@ -121,12 +121,12 @@ def cross_(donor: Path = typer.Argument(..., help="donor capture"),
            recipient: Path = typer.Argument(..., help="recipient capture"), cap: int = CapOpt,
            logits_from: str = typer.Option("recipient", help="whose initial logits are consumed"),
            allow_backend: bool = typer.Option(False, "--allow-backend", help="allow a cross-backend transplant"),
-           model: Optional[Path] = ModelOpt, json_out: bool = JsonOpt):
+           model: Optional[Path] = CaptureModelOpt, json_out: bool = JsonOpt):
     """Whole-KV cross: the donor's KV imported into the recipient's path."""
     from statelab.lab.intervene import config_of, cross
 
     d, r = load_capture_dir(donor), load_capture_dir(recipient)
-    m, _ = setup(model, config_of(r).backend)
+    m, _ = setup(model_for(r, model), config_of(r).backend)
     ep, acc = cross(m, d, r, logits_from, cap, allow_other_backend=allow_backend)
     print_endpoint(m, ep, f"cross {d.schedule.name}->{r.schedule.name} ({d.prompt_id})", json_out)
     if not json_out:

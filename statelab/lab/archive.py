@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from statelab.errors import IdentityError, StatelabError
-from statelab.kvstate import KVFormatError, KVState, MemoryLayout
+from statelab.kvstate import KVFormatError, KVState, MemoryLayout, v_layout
 from statelab.lab.formation import Capture, Schedule
 from statelab.paths import REPLACED, clean_stale_temporaries, read_json_record, temp_prefix
 from statelab.runtime.context import KV_TYPES
@@ -181,6 +181,7 @@ def load_capture(src: str | os.PathLike) -> Capture:
     rec = ident.get("memory") if isinstance(ident, dict) else None
     try:
         state = KVState.parse(blob, MemoryLayout.from_dict(rec) if isinstance(rec, dict) else None)
+        state.check_positions()
         kv = manifest["kv"]
         if state.sha256() != kv["sha256"]:
             raise ArchiveError(f"{src}: KV payload hash differs from the manifest")
@@ -232,6 +233,34 @@ def check_capture_dest(dest: str | os.PathLike, overwrite: bool = False) -> None
         raise ArchiveError(f"output already exists: {dest} (choose another path, or --overwrite to replace a capture)")
 
 
+def capture_model_path(cap: Capture) -> Path:
+    """The model file a capture was formed with, found without ``--model``: the recorded path,
+    else a model of the known short names (smollm2, gemma3), whichever has the recorded sha256."""
+    from statelab.models import MODEL_ALIASES, model_sha256, resolve_model
+
+    ident = cap.identity if isinstance(cap.identity, dict) else {}
+    want, recorded = ident.get("model_sha256"), ident.get("model_path")
+    if not isinstance(want, str):
+        raise IdentityError(f"capture {cap.prompt_id} records no model identity: give --model")
+    seen = []
+    for cand in ([recorded] if isinstance(recorded, str) and recorded else []) + list(MODEL_ALIASES):
+        try:
+            path = resolve_model(cand)
+        except StatelabError:  # not found, not a GGUF, a short name whose package is missing
+            continue
+        got = model_sha256(path)
+        if got == want:
+            return path
+        seen.append((cand, got))
+    where = f"model {recorded}" if recorded else "a model"
+    if seen and seen[0][0] == recorded:
+        why = f"that file now has sha256 {seen[0][1][:12]}…"
+    else:
+        why = "that file is not found" if recorded else "no model path is recorded"
+    raise IdentityError(f"capture {cap.prompt_id} was formed with {where} (sha256 {want[:12]}…): {why} and no known "
+                        "model has that hash; give --model")
+
+
 def check_importable(cap: Capture, model, config, allow_other_backend: bool = False) -> None:
     """Refuse to import a capture into a context it does not belong to."""
     ident = cap.identity
@@ -248,6 +277,10 @@ def check_importable(cap: Capture, model, config, allow_other_backend: bool = Fa
     if layout is not None and st.n_layer and [p.kind for p in st.part_list] != [p.kind for p in layout.parts]:
         raise IdentityError(f"capture holds cache parts {[p.kind for p in st.part_list]}, the model writes "
                             f"{[p.kind for p in layout.parts]}")
+    if st.n_layer and bool(st.v_trans) == bool(config.flash_attn):
+        raise IdentityError(f"capture {cap.prompt_id}: state has {v_layout(st.v_trans)} but the recipient context "
+                            f"runs {'with' if config.flash_attn else 'without'} flash attention (llama.cpp restores "
+                            "a state only into a context of its V layout)")
     want_k, want_v = KV_TYPES[config.type_k], KV_TYPES[config.type_v]
     if st.k_types and (set(st.k_types) != {want_k} or set(st.v_types) != {want_v}):
         raise IdentityError(f"capture KV types K={sorted(set(st.k_types))} V={sorted(set(st.v_types))} differ from "

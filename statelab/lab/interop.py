@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from statelab.errors import IdentityError, StatelabError
-from statelab.kvstate import KVFormatError, KVState, SEQ_STATE_MAGIC
+from statelab.kvstate import KVFormatError, KVState, SEQ_STATE_MAGIC, is_quantised, type_name, v_layout
 from statelab.lab.formation import Capture, REST, Schedule
 from statelab.models import read_model_info
 from statelab.paths import atomic_write_bytes
@@ -86,37 +86,89 @@ def _u32(data: bytes, off: int, what: str, source: str) -> int:
     return struct.unpack_from("<I", data, off)[0]
 
 
-def parse_state_file(data: bytes, source: str = "state file") -> StateFile:
+class _Cursor:
+    """Sequential reads from bytes or an open file (``read(n)`` -> bytes)."""
+
+    def __init__(self, data=None, f=None, size: int = 0):
+        self.data, self.f, self.size, self.off = data, f, size if data is None else len(data), 0
+
+    def read(self, n: int) -> bytes:
+        if self.f is not None:
+            out = self.f.read(n)
+        else:
+            out = bytes(self.data[self.off:self.off + n])
+        self.off += len(out)
+        return out
+
+    def rest(self) -> memoryview:
+        """Everything after the cursor, with 8 free bytes in front (room for a sequence-state
+        header, so the state can be parsed in place): one buffer, read once."""
+        n = self.size - self.off
+        buf = bytearray(8 + n)
+        if self.f is not None:
+            got = self.f.readinto(memoryview(buf)[8:])
+            if got != n:
+                raise InteropError(f"the file changed while it was read ({got} of {n} bytes)")
+        else:
+            buf[8:] = memoryview(self.data)[self.off:]
+        self.off = self.size
+        return memoryview(buf)
+
+
+def _state_bound(model, n_tok: int) -> int:
+    """The most bytes the memory part of a state of ``n_tok`` tokens of ``model`` can take
+    (F32 K and V, every cache part holding every cell, per-layer fields, 256 KV streams)."""
+    info = model.info
+    parts = len(model.memory_layout.parts) if model.memory_layout is not None else 1
+    per_cell = 12 + info.n_layer * (info.n_embd_k_gqa + info.n_embd_v_gqa) * 4
+    return parts * (n_tok * per_cell + 32 * (info.n_layer + 1)) + 4 * 256 + 64
+
+
+def parse_state_file(data, source: str = "state file", model=None) -> StateFile:
     """Split the bytes of a llama.cpp state file (either kind); refuse anything else with one line."""
-    if len(data) < _HEADER.size:
-        raise InteropError(f"{source}: {len(data)} bytes is too short for a llama.cpp state file "
+    return _parse_stream(_Cursor(data), source, model)
+
+
+def _parse_stream(cur: _Cursor, source: str, model=None, digest=None) -> StateFile:
+    """The header and tokens are read and checked first (with ``model``: the size the state can
+    take), and only then the rest of the file, into one buffer."""
+    size = cur.size
+    head = cur.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        raise InteropError(f"{source}: {size} bytes is too short for a llama.cpp state file "
                            f"(magic, version and token count take {_HEADER.size})")
-    magic, version, n_tok = _HEADER.unpack_from(data, 0)
+    magic, version, n_tok = _HEADER.unpack_from(head, 0)
     kind = next((k for k, (m, _v) in KINDS.items() if m == magic), None)
     if kind is None:
-        what = {b"GGUF": "a GGUF model file", b"\x93NUM": "a numpy file"}.get(data[:4], "a foreign file")
-        raise InteropError(f"{source}: magic 0x{magic:08x} ({data[:4]!r}) is not a llama.cpp state file "
+        what = {b"GGUF": "a GGUF model file", b"\x93NUM": "a numpy file"}.get(head[:4], "a foreign file")
+        raise InteropError(f"{source}: magic 0x{magic:08x} ({head[:4]!r}) is not a llama.cpp state file "
                            f"('ggsq' 0x{SEQ_FILE_MAGIC:08x} or 'ggsn' 0x{WHOLE_FILE_MAGIC:08x}); it looks like {what}")
     want = KINDS[kind][1]
     if version != want:
         raise InteropError(f"{source}: {kind} state file version {version}, the pinned llama.cpp reads version {want} "
                            "(re-save it with a matching llama.cpp)")
-    off = _HEADER.size
-    if n_tok * 4 > len(data) - off:
-        raise InteropError(f"{source}: token count {n_tok} needs {n_tok * 4} bytes but only {len(data) - off} follow "
+    if n_tok * 4 > size - cur.off:
+        raise InteropError(f"{source}: token count {n_tok} needs {n_tok * 4} bytes but only {size - cur.off} follow "
                            "the header (truncated file or a wrong count)")
-    tokens = np.frombuffer(data, dtype="<i4", count=n_tok, offset=off).astype(np.int32)
+    tokens = np.frombuffer(cur.read(4 * n_tok), dtype="<i4").astype(np.int32)
     packing = "plain"
     if n_tok and tokens[0] == LLAMA_TOKEN_NULL:
         tokens, packing = unpack_server_tokens(tokens, source), f"llama-server packed v{SERVER_TOKENS_VERSION}"
-    off += 4 * n_tok
     arch = None
     if kind == "whole":
-        arch, off = _read_arch(data, off, source)
-    if off == len(data):
+        arch = _read_arch_stream(cur, source)
+    if cur.off == size:
         raise InteropError(f"{source}: the file ends after the tokens: no state follows (truncated file)")
-    return StateFile(kind, version, tokens, bytes(data[off:]), arch, source, hashlib.sha256(data).hexdigest(),
-                     packing)
+    if model is not None:
+        bound = _state_bound(model, max(len(tokens), 1))
+        if size - cur.off > bound:
+            raise InteropError(f"{source}: {size - cur.off} bytes of state follow {len(tokens)} tokens, but a state "
+                               f"of {len(tokens)} tokens of this model takes at most {bound} bytes: not a state of "
+                               "this model (refused before reading it)")
+    memory = cur.rest()
+    if digest is None:
+        digest = hashlib.sha256(cur.data).hexdigest()
+    return StateFile(kind, version, tokens, memory[8:], arch, source, digest, packing)
 
 
 def unpack_server_tokens(words: np.ndarray, source: str) -> np.ndarray:
@@ -143,23 +195,43 @@ def unpack_server_tokens(words: np.ndarray, source: str) -> np.ndarray:
 
 
 def _read_arch(data: bytes, off: int, source: str) -> tuple[str, int]:
-    n = _u32(data, off, "architecture name length", source)
-    off += 4
-    if n == 0 or n > _MAX_ARCH or off + n > len(data):
-        raise InteropError(f"{source}: architecture name of {n} bytes at offset {off - 4} does not fit "
+    cur = _Cursor(data)
+    cur.off = off
+    arch = _read_arch_stream(cur, source)
+    return arch, cur.off
+
+
+def _read_arch_stream(cur: _Cursor, source: str) -> str:
+    at = cur.off
+    raw = cur.read(4)
+    if len(raw) < 4:
+        raise InteropError(f"{source}: truncated file: architecture name length needs 4 bytes at offset {at}, "
+                           f"the file has {cur.size}")
+    n = struct.unpack("<I", raw)[0]
+    if n == 0 or n > _MAX_ARCH or cur.off + n > cur.size:
+        raise InteropError(f"{source}: architecture name of {n} bytes at offset {at} does not fit "
                            "(truncated or not a whole-context state)")
     try:
-        arch = data[off:off + n].decode("ascii")
+        return cur.read(n).decode("ascii")
     except UnicodeDecodeError:
-        raise InteropError(f"{source}: the architecture name at offset {off} is not ASCII") from None
-    return arch, off + n
+        raise InteropError(f"{source}: the architecture name at offset {at + 4} is not ASCII") from None
 
 
-def read_state_file(path: str | os.PathLike) -> StateFile:
+def read_state_file(path: str | os.PathLike, model=None) -> StateFile:
+    """A llama.cpp state file, read in bounded memory: the header and tokens first (checked;
+    with ``model`` also the size a state of that many tokens can take), then the state into
+    one buffer; the file's sha256 is computed in chunks."""
     p = Path(path)
     if not p.is_file():
         raise InteropError(f"state file not found (or not a file): {p}")
-    return parse_state_file(p.read_bytes(), str(p))
+    with open(p, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        sf = _parse_stream(_Cursor(f=f, size=size), str(p), model, digest="")
+        f.seek(0)
+        h = hashlib.sha256()
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return replace(sf, sha256=h.hexdigest())
 
 
 def whole_stream(blob: bytes, arch: str) -> bytes:
@@ -231,11 +303,20 @@ def single_stream(memory: bytes, source: str) -> tuple[bytes, int, int]:
     return struct.pack("<II", 1, 0), n_stream, 0
 
 
-def sequence_zero_state(memory: bytes, source: str) -> KVState:
-    """Parse a memory part as one sequence and rewrite its cells to sequence 0 (a capture's form)."""
+def sequence_zero_state(memory, source: str) -> KVState:
+    """Parse a memory part as one sequence and rewrite its cells to sequence 0 (a capture's form).
+    A memory part read by :func:`read_state_file` is parsed in place (its arrays are views of
+    the file's buffer, which has room for the sequence header in front): no copy is made."""
     memory = single_stream(memory, source)[0]
+    head = struct.pack("<Ii", SEQ_STATE_MAGIC, -1)
+    if isinstance(memory, memoryview) and isinstance(memory.obj, bytearray) and \
+            len(memory.obj) == len(memory) + 8 and memory.c_contiguous:
+        framed = memoryview(memory.obj)
+        framed[:8] = head
+    else:
+        framed = head + bytes(memory)
     try:
-        st = KVState.parse(struct.pack("<Ii", SEQ_STATE_MAGIC, -1) + memory)
+        st = KVState.parse(framed, copy=False)
     except KVFormatError as e:
         raise InteropError(f"{source}: the state does not parse: {e}") from None
     seqs = [p.seq_ids for p in st.part_list if len(p.seq_ids)]  # every cache part (iSWA: two)
@@ -246,12 +327,12 @@ def sequence_zero_state(memory: bytes, source: str) -> KVState:
         raise InteropError(f"{source}: the state holds the cells of sequences {sorted(set(ids.tolist()))} "
                            f"(shared cells: {int(np.count_nonzero(counts != 1))}); save one sequence with "
                            "llama_state_seq_save_file and import that")
-    out = st.copy()
-    out.seq_id = 0
-    out.seq_ids = tuple(np.zeros((st.n_cells, 1), dtype=np.int32))
-    if out.parts:
-        out.parts = [replace(p, seq_ids=tuple(np.zeros((p.n_cells, 1), dtype=np.int32))) for p in out.parts]
-    return out
+    st.seq_id = 0  # the cell meta was parsed into arrays of their own: rewriting it touches no value
+    st.seq_ids = tuple(np.zeros((st.n_cells, 1), dtype=np.int32))
+    if st.parts:
+        st.parts = [replace(p, seq_ids=tuple(np.zeros((p.n_cells, 1), dtype=np.int32))) for p in st.parts]
+        st.parts[0].positions = st.positions
+    return st
 
 
 def _kv_type_name(t: int) -> str:
@@ -281,10 +362,6 @@ def check_against_model(tokens: np.ndarray, st: KVState, model, source: str) -> 
     n = len(tokens)
     if n != st.n_cells:
         raise InteropError(f"{source}: the file lists {n} tokens but its state holds {st.n_cells} cells")
-    if not np.array_equal(st.positions, np.arange(n, dtype=np.int32)):
-        bad = int(np.flatnonzero(st.positions != np.arange(n))[0])
-        raise InteropError(f"{source}: cell {bad} holds position {int(st.positions[bad])}, expected {bad} "
-                           "(cells must hold positions 0..n-1, one per token)")
     if st.n_layer != info.n_layer:
         raise IdentityError(f"{source}: the state has {st.n_layer} layers, the model has {info.n_layer}: "
                             "saved with another model")
@@ -292,6 +369,15 @@ def check_against_model(tokens: np.ndarray, st: KVState, model, source: str) -> 
     if widths != ({info.n_embd_k_gqa}, {info.n_embd_v_gqa}):
         raise IdentityError(f"{source}: K/V widths {sorted(widths[0])}/{sorted(widths[1])} differ from the model's "
                             f"{info.n_embd_k_gqa}/{info.n_embd_v_gqa}: saved with another model")
+    layout = model.memory_layout
+    parts = st.part_list
+    if layout is not None and st.parts and len(layout.parts) == len(parts):
+        for p, pl in zip(parts, layout.parts):  # the window of each part, for the position check
+            p.n_swa, p.swa_type = pl.n_swa, pl.swa_type
+    try:
+        st.check_positions()
+    except KVFormatError as e:
+        raise InteropError(f"{source}: {e}") from None
 
 
 def check_prompt_tokens(model, prompt, tokens: np.ndarray, source: str) -> int:
@@ -349,12 +435,34 @@ def _source_logits(inc: Incoming, logits: str, n_vocab: int) -> np.ndarray | Non
     return lg
 
 
-def _recipient_config(st: KVState, config, n: int, source: str):
-    """The recipient context: the caller's configuration with the state's KV types and room for it."""
+def attention_for_state(st: KVState, flash_attn: bool | None, source: str) -> bool:
+    """The recipient's attention mode for a state: llama.cpp stores V untransposed exactly when
+    flash attention is on (``v_trans = !flash_attn``), so the state decides; ``flash_attn``
+    (an option) must agree with it. An empty state takes the option (default off)."""
+    if not st.n_layer:
+        return bool(flash_attn)
+    want = not st.v_trans
+    if flash_attn is not None and bool(flash_attn) != want:
+        raise InteropError(f"{source}: state has {v_layout(st.v_trans)} but the recipient was asked to run "
+                           f"{'with' if flash_attn else 'without'} flash attention; llama.cpp restores a state only "
+                           f"into a context of its V layout: use {'--flash-attn' if want else '--no-flash-attn'} "
+                           "or leave the option out")
+    quant_v = sorted({type_name(t) for t in st.v_types if is_quantised(t)})
+    if quant_v and st.v_trans:  # the codec refuses it already; kept for states built by hand
+        raise InteropError(f"{source}: state has {v_layout(True)} of quantised type {quant_v[0]}, which llama.cpp "
+                           "never writes (a quantised V needs flash attention)")
+    return want
+
+
+def _recipient_config(st: KVState, config, n: int, source: str, flash_attn: bool | None = None):
+    """The recipient context: the caller's configuration with the state's KV types, its V layout
+    (flash attention on for an untransposed V) and room for it."""
     kt, vt = {int(t) for t in st.k_types}, {int(t) for t in st.v_types}
-    if len(kt) != 1 or len(vt) != 1:
+    if len(kt) > 1 or len(vt) > 1:
         raise InteropError(f"{source}: layers store different KV types; a context has one K and one V type")
-    return config.with_(type_k=_kv_type_name(kt.pop()), type_v=_kv_type_name(vt.pop()), n_ctx=max(config.n_ctx, n + 1))
+    fa = attention_for_state(st, flash_attn, source)
+    types = {} if not kt else dict(type_k=_kv_type_name(kt.pop()), type_v=_kv_type_name(vt.pop()))
+    return config.with_(**types, flash_attn=fa, n_ctx=max(config.n_ctx, n + 1))
 
 
 def restore_in_recipient(model, config, blob: bytes, tokens: np.ndarray, source: str, recompute: bool):
@@ -392,7 +500,7 @@ def imported_identity(inc: Incoming, model, config, prompt, logits: str, source_
 
 
 def import_incoming(inc: Incoming, model, config, *, prompt=None, logits: str = "none",
-                    source_backend: str | None = None) -> Capture:
+                    source_backend: str | None = None, flash_attn: bool | None = None) -> Capture:
     """A verified capture from an incoming state (see the module docstring for the checks)."""
     lg = _source_logits(inc, logits, model.n_vocab)
     tokens = inc.tokens
@@ -400,7 +508,7 @@ def import_incoming(inc: Incoming, model, config, *, prompt=None, logits: str = 
     st = sequence_zero_state(inc.memory, inc.source)
     check_against_model(tokens, st, model, inc.source)
     after = check_prompt_tokens(model, prompt, tokens, inc.source) if prompt is not None else None
-    config = _recipient_config(st, config, len(tokens), inc.source)
+    config = _recipient_config(st, config, len(tokens), inc.source, flash_attn)
     blob = st.to_bytes()
     recomputed = restore_in_recipient(model, config, blob, tokens, inc.source, lg is None)
     identity = imported_identity(inc, model, config, prompt, logits, source_backend)
@@ -424,7 +532,7 @@ def incoming_from_file(sf: StateFile) -> Incoming:
 
 def import_state_file(path, model, config, **kw) -> Capture:
     """``statelab import-state``: a llama.cpp state file (either kind) as a verified capture."""
-    return import_incoming(incoming_from_file(read_state_file(path)), model, config, **kw)
+    return import_incoming(incoming_from_file(read_state_file(path, model)), model, config, **kw)
 
 
 # --------------------------------------------------------------------------- export
