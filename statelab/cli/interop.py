@@ -25,15 +25,20 @@ def import_state(file: Path = typer.Argument(..., help="llama.cpp state file (ll
                  threads: int = ThreadsOpt, n_ctx: int = CtxOpt,
                  flash_attn: Optional[bool] = typer.Option(
                      None, "--flash-attn/--no-flash-attn", help="the recipient's attention (default: from the state: "
-                     "an untransposed V, as llama.cpp writes with flash attention, turns it on)")):
+                     "an untransposed V, as llama.cpp writes with flash attention, turns it on)"),
+                 schedule: Optional[str] = typer.Option(
+                     None, "--schedule", "-s", help="the formation the state comes from, when known (A, B, C, R, "
+                     "128+rest@ub64 ...): recorded, and checked by sham")):
     """Import a llama.cpp state file as a verified capture (tokens, vocabulary, geometry checked)."""
     from statelab.lab.archive import save_capture
+    from statelab.lab.formation import parse_schedule
     from statelab.lab.interop import import_state_file
 
     p = optional_prompt(prompt, humaneval, prompt_file)
+    sched = parse_schedule(schedule) if schedule is not None else None
     m, base = setup(model, backend, threads, n_ctx)
     c = import_state_file(file, m, base, prompt=p, logits=logits, source_backend=source_backend,
-                         flash_attn=flash_attn)
+                         flash_attn=flash_attn, schedule=sched)
     save_capture(c, out)
     console.print(f"imported {c.identity['imported']['format']}: {c.n_prompt} tokens as {c.prompt_id} -> {out}\n"
                   f"logits: {c.identity['logits']['source']}; kv {c.hashes()['kv'][:16]}", markup=False)

@@ -17,6 +17,7 @@ from statelab.audit.admission import device_refusal
 from statelab.errors import ConfigError, StatelabError
 from statelab.experiments.executors import Unit, execute
 from statelab.experiments.matrix.store import CellLog, first_ok
+from statelab.experiments.records import CAMPAIGN_BLOCK
 from statelab.experiments.specfile import check_keys, read_toml
 from statelab.models import model_sha256, resolve_model
 from statelab.paths import atomic_write_netcdf, atomic_write_text, cache_dir as default_cache, exclusive_lock
@@ -39,6 +40,7 @@ class CampaignSpec:
     ubatch: int = 0  # 0: follows k (k_max + 1 rows per micrograph)
     mask: int = 3
     cap: int = 64
+    n_ctx: int = 1024  # the contexts' size: every prompt + cap + verify rows must fit (checked at load)
     backend: str = "cpu"
     threads: int = 0
     model: str | None = None
@@ -51,20 +53,36 @@ class CampaignSpec:
     resamples: int = 10000
 
     @classmethod
-    def load(cls, path: str | Path, **overrides) -> "CampaignSpec":
-        """Read a spec; keyword overrides that are not None replace its values."""
+    def load(cls, path: str | Path, check_fit: bool = True, **overrides) -> "CampaignSpec":
+        """Read a spec; keyword overrides that are not None replace its values. ``check_fit``:
+        tokenize the prompts with the spec's model and refuse one that does not fit n_ctx
+        (before any work)."""
         p = Path(path)
         raw = read_toml(p, "campaign spec", ConfigError)
         raw = raw.get("campaign", raw)
         check_keys(raw, p, "campaign spec", ConfigError, tuple(cls.__dataclass_fields__), ())
         spec = cls(**{**raw, **{k: v for k, v in overrides.items() if v is not None}})
         spec.validate()
+        if check_fit:
+            spec.check_fits(p)
         return spec
+
+    def check_fits(self, path="campaign spec") -> None:
+        """Every prompt, with the cap and a verify's rows (drafting arms), fits n_ctx: the check
+        the first request of a block would otherwise make, as a one-line refusal at load."""
+        margin = self.spec_config().rows if any(Arm.parse(a).draft for a in self.arms) else 0
+        model = _vocab_model(self.model, self.backend)
+        for spec_text in self.prompts:
+            p = prompts.resolve(spec_text, self.model, self.backend)
+            n = len(model.tokenize(p.text))
+            if n + self.cap + margin > self.n_ctx:
+                raise ConfigError(f"campaign spec {path}: prompt {p.id} ({n} tokens) + cap ({self.cap}) + verify rows "
+                                  f"({margin}) exceed n_ctx={self.n_ctx}; raise n_ctx or lower cap")
 
     def validate(self) -> None:
 
         types = {"prompts": list, "arms": list, "sessions": int, "repeats": int, "k": int, "ubatch": int, "mask": int,
-                 "cap": int, "backend": str, "threads": int, "model": (str, type(None)),
+                 "cap": int, "n_ctx": int, "backend": str, "threads": int, "model": (str, type(None)),
                  "draft": (str, type(None)), "k_max": (int, type(None)), "fixed_rows": bool, "ratios": list,
                  "threshold": (int, float), "seed": int, "resamples": int}
         for name, want in types.items():
@@ -90,13 +108,26 @@ class CampaignSpec:
             raise ConfigError(f"arms {[a for a in self.arms if Arm.parse(a).draft]} draft, but the spec names no drafter")
 
     def spec_config(self) -> SpecConfig:
-        return SpecConfig(k=self.k, ubatch=self.ubatch, mask=self.mask, cap=self.cap, backend=self.backend,
+        return SpecConfig(k=self.k, ubatch=self.ubatch, mask=self.mask, cap=self.cap, n_ctx=self.n_ctx,
+                          backend=self.backend,
                           threads=self.threads, k_max=self.k_max, fixed_rows=self.fixed_rows)
 
     def prompt_table(self) -> list[tuple[str, str]]:
         """(spec string, prompt key) in the spec's order."""
 
         return [(p, prompt_key(prompts.resolve(p, self.model, self.backend))) for p in self.prompts]
+
+
+_VOCAB: dict = {}
+
+
+def _vocab_model(model_path, backend: str):
+    """The spec's model, loaded once per process, for tokenizing its prompts at load."""
+    key = (str(model_path), backend)
+    if key not in _VOCAB:
+        prepare_backend(backend)
+        _VOCAB[key] = Model(model_path, backend=backend)
+    return _VOCAB[key]
 
 
 def prompt_key(prompt) -> str:
@@ -436,7 +467,7 @@ def _run_campaign_locked(spec: CampaignSpec, out: Path, progress, budget_s: floa
     draft = resolve_draft(spec.model, spec.draft) if any(Arm.parse(a).draft for a in spec.arms) else None
     jobs = plan(spec, draft)
     h = campaign_hash(spec, draft)
-    log = CellLog(out / "blocks.jsonl")
+    log = CellLog(out / "blocks.jsonl", CAMPAIGN_BLOCK, error=ConfigError)
     old = log.records()
     if any(r.get("spec_hash") != h for r in old):
         raise ConfigError(f"{out} holds blocks of another campaign (spec or drafter changed); name a new --out")

@@ -444,7 +444,8 @@ def _captures(spec: FrontierSpec, out: Path, say) -> None:
         base = ContextConfig(backend=spec.backend, n_threads=spec.threads, n_ctx=spec.n_ctx)
         for p, arm, dest in todo:
             n = len(model.tokenize(p.text))
-            check_prompt_fits(p.id, n, spec.n_ctx, {arm: spec.arms[arm]}, lambda msg: _err(spec.path, msg))
+            check_prompt_fits(p.id, n, spec.n_ctx, {arm: spec.arms[arm]}, lambda msg: _err(spec.path, msg),
+                              spec.cap)
             t0 = time.perf_counter()
             cap_, ep = natural(model, p, spec.arms[arm], base, spec.cap)
             cap_.extra.update(natural=ep.as_dict(), natural_cap=spec.cap)

@@ -84,11 +84,39 @@ def study_prompt(model, prompt, arms: dict[str, Schedule], base, cap: int = DEFA
 def sham_control(model, capture, cap: int = DEFAULT_CAP):
     """A capture's sham next to its natural endpoint, re-formed with the same schedule in a
     context of the capture's configuration: (sham endpoint, first differing output or None)."""
-    s = sham(model, capture, cap)
+    imported = capture.identity.get("origin") == "imported"
+    if imported:
+        check_stated_formation(model, capture)
+    s = sham(model, capture, cap, allow_other_backend=imported)
     with Context(model, config_of(capture)) as ctx:
         logits = prefill(ctx, capture.tokens, capture.schedule)
         nat = continue_greedy(ctx, logits, capture.n_prompt, cap)
     return s, first_difference(nat.tokens, s.tokens)
+
+
+def check_stated_formation(model, capture) -> None:
+    """An imported capture's natural path is its stated formation (``import-state --schedule``)
+    re-run here; refuse in one line when none was stated, or when it forms another state (the
+    state did not come from that formation on this backend: a sham would be no control)."""
+    from statelab.errors import IdentityError
+    from statelab.lab.archive import check_importable
+    from statelab.lab.interop import IMPORTED
+
+    sc = capture.schedule
+    if sc.name == IMPORTED:
+        raise IdentityError(f"sham cannot rebuild the natural path of {capture.prompt_id}: an imported state "
+                            "records no formation (prompt submissions and ubatch); import it again with --schedule "
+                            "to state one, or continue it with 'statelab continue'")
+    config = config_of(capture)
+    check_importable(capture, model, config, allow_other_backend=True)
+    with Context(model, config) as ctx:
+        prefill(ctx, capture.tokens, sc)
+        formed = ctx.state_get()
+    if formed != capture.blob:
+        d = compare(capture.state, type(capture.state).parse(formed, capture.layout))
+        raise IdentityError(f"sham cannot use schedule {sc.name} as the formation of {capture.prompt_id}: it forms "
+                            f"another state here (first differing layer {d.first_differing_layer}), so the imported "
+                            "state was not formed that way on this backend and its natural path is unknown")
 
 
 def sweep_schedules(model, prompt, schedules: str | None = None) -> list[Schedule]:

@@ -235,11 +235,13 @@ def check_against_model(spec, err: Err) -> None:
             raise err(str(e)) from None
 
 
-def check_prompt_fits(prompt_id: str, n: int, n_ctx: int, arms: dict, err: Err) -> None:
-    """Refuse a prompt of ``n`` tokens longer than ``n_ctx`` or too short for an arm's schedule
-    (``arms``: arm name -> Schedule)."""
-    if n > n_ctx:
-        raise err(f"prompt {prompt_id} has {n} tokens, more than n_ctx={n_ctx}")
+def check_prompt_fits(prompt_id: str, n: int, n_ctx: int, arms: dict, err: Err, cap: int = 0) -> None:
+    """Refuse a prompt of ``n`` tokens that with ``cap`` generated tokens does not fit ``n_ctx``,
+    or too short for an arm's schedule (``arms``: arm name -> Schedule)."""
+    if n + cap > n_ctx:
+        extra = f" + cap {cap} = {n + cap} positions" if cap else " tokens"
+        raise err(f"prompt {prompt_id} has {n}{' tokens' if cap else ''}{extra}, more than n_ctx={n_ctx}"
+                  + ("; raise n_ctx or lower cap" if cap else ""))
     for arm, sched in arms.items():
         try:
             sched.submissions(n)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -69,8 +69,17 @@ class Schedule:
         big = max(sizes)
         if big > self.n_batch:
             raise ConfigError(f"schedule {self.name}: a submission of {big} tokens exceeds n_batch={self.n_batch}; "
-                              f"use a larger n_batch or split the prompt")
+                              f"split the prompt, or form it with statelab's capture/generate, which raise n_batch "
+                              "to the largest submission")
         return sizes
+
+    def fitted(self, n_prompt: int) -> "Schedule":
+        """The schedule with n_batch raised to its largest submission for a prompt of
+        ``n_prompt`` tokens (n_batch only bounds a decode call: the ubatch, which partitions
+        the computation, is kept), so A, B, C and R take prompts over 512 tokens."""
+        fixed = [c for c in self.chunks if c != REST]
+        big = max(fixed + ([n_prompt - sum(fixed)] if self.chunks[-1] == REST else []))
+        return replace(self, n_batch=big) if big > self.n_batch else self
 
     def describe(self) -> str:
         parts = "+".join("rest" if c == REST else str(c) for c in self.chunks)
@@ -186,6 +195,8 @@ def form(model, prompt, schedule: Schedule, base_config, keep_context: bool = Fa
     continue naturally in the forming context.
     """
     tokens = model.tokenize(prompt.text)
+    if len(tokens):
+        schedule = schedule.fitted(len(tokens))  # n_batch large enough for the largest submission
     config = context_config_for(schedule, base_config)
     if len(tokens) > config.n_ctx:
         raise ConfigError(f"prompt {prompt.id} has {len(tokens)} tokens, more than n_ctx={config.n_ctx}")

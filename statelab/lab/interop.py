@@ -38,7 +38,7 @@ import numpy as np
 
 from statelab.errors import IdentityError, StatelabError
 from statelab.kvstate import KVFormatError, KVState, SEQ_STATE_MAGIC, is_quantised, type_name, v_layout
-from statelab.lab.formation import Capture, REST, Schedule
+from statelab.lab.formation import Capture, REST, Schedule, context_config_for
 from statelab.models import read_model_info
 from statelab.paths import atomic_write_bytes
 from statelab.runtime import Context, context_identity
@@ -484,6 +484,7 @@ _LOGITS_HOW = {
                   "(see 'recipient'), the last token decoded alone at position n-1 (one-row decode)"},
     "state": {"source": "carried by the source state (the last row of its scores)"},
 }
+IMPORTED = "Imported"  # the schedule name of an imported state whose formation is unknown
 _UNKNOWN = ["backend", "device", "build", "schedule (prompt submissions and ubatch)", "context parameters"]
 
 
@@ -500,14 +501,20 @@ def imported_identity(inc: Incoming, model, config, prompt, logits: str, source_
 
 
 def import_incoming(inc: Incoming, model, config, *, prompt=None, logits: str = "none",
-                    source_backend: str | None = None, flash_attn: bool | None = None) -> Capture:
-    """A verified capture from an incoming state (see the module docstring for the checks)."""
+                    source_backend: str | None = None, flash_attn: bool | None = None,
+                    schedule: Schedule | None = None) -> Capture:
+    """A verified capture from an incoming state (see the module docstring for the checks).
+    ``schedule``: the formation the state is said to come from (prompt submissions and
+    ubatch), recorded as stated; ``sham`` rebuilds it and checks that it forms this state."""
     lg = _source_logits(inc, logits, model.n_vocab)
     tokens = inc.tokens
     check_tokens(tokens, model, inc.source, inc.arch)
     st = sequence_zero_state(inc.memory, inc.source)
     check_against_model(tokens, st, model, inc.source)
     after = check_prompt_tokens(model, prompt, tokens, inc.source) if prompt is not None else None
+    if schedule is not None:
+        schedule.submissions(len(tokens))  # the stated formation must fit the tokens
+        config = context_config_for(schedule, config)
     config = _recipient_config(st, config, len(tokens), inc.source, flash_attn)
     blob = st.to_bytes()
     recomputed = restore_in_recipient(model, config, blob, tokens, inc.source, lg is None)
@@ -519,7 +526,12 @@ def import_incoming(inc: Incoming, model, config, *, prompt=None, logits: str = 
     else:
         pid = f"imported:{Path(inc.source).name}"
         psha = hashlib.sha256(model.detokenize(tokens).encode()).hexdigest()
-    sched = Schedule("Imported", (REST,), config.n_ubatch, config.n_batch)  # capitalised: rich keeps "[Imported]"
+    if schedule is not None:
+        identity["formation"] = "stated at import (the file records none); sham checks that it forms this state"
+        identity["unknown"] = [u for u in identity["unknown"] if not u.startswith("schedule")]
+        sched = schedule
+    else:
+        sched = Schedule(IMPORTED, (REST,), config.n_ubatch, config.n_batch)  # capitalised: rich keeps "[Imported]"
     return Capture(pid, psha, tokens, recomputed if lg is None else lg, blob, sched, identity,
                    {"origin": "imported", "prompt_text": "given" if prompt is not None else "unknown (detokenized)"})
 

@@ -76,10 +76,11 @@ def import_and_continue(model, config, blob: bytes, logits0: np.ndarray, n_promp
         return ep
 
 
-def sham(model, capture: Capture, cap: int = DEFAULT_CAP, trace: bool = False) -> Endpoint:
+def sham(model, capture: Capture, cap: int = DEFAULT_CAP, trace: bool = False,
+         allow_other_backend: bool = False) -> Endpoint:
     """A capture restored into its own path; must reproduce the natural endpoint."""
     config = config_of(capture)
-    check_importable(capture, model, config)
+    check_importable(capture, model, config, allow_other_backend)
     return import_and_continue(model, config, capture.blob, capture.logits, capture.n_prompt, check_cap(cap), trace)
 
 

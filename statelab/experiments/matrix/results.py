@@ -23,6 +23,7 @@ from statelab.experiments.naming import Direction
 from statelab.paths import atomic_write_netcdf, atomic_write_text
 from statelab.experiments.matrix.spec import StudyError, cell_key
 from statelab.experiments.matrix.store import CellLog, StudyDir, first_ok
+from statelab.experiments.records import STUDY_CELL, STUDY_VALUES, check_study_cell_against_controls
 from statelab.lab.archive import load_capture
 from statelab.selection import load_selector, select
 from statelab.experiments.matrix.controls import ALL, EMPTY
@@ -59,7 +60,11 @@ def load_state(out) -> tuple[StudyDir, dict, dict, list[dict], dict[str, dict]]:
     sdir = StudyDir(out)
     spec = sdir.read_spec()
     controls = sdir.all_controls()
-    records = CellLog(sdir.cells_path).records()
+    log = CellLog(sdir.cells_path, STUDY_CELL, STUDY_VALUES)
+    records = log.records()  # each checked against the schema: one line naming file, line and field
+    for line, rec in zip(log.lines, records):
+        if rec["status"] == "ok" and rec["spec_hash"] == spec["spec_hash"]:
+            check_study_cell_against_controls(rec, controls, sdir.cells_path, line, StudyError)
     return sdir, spec, controls, records, first_ok(records, spec["spec_hash"])
 
 

@@ -16,6 +16,7 @@ from statelab.experiments.matrix.controls import run_controls
 from statelab.experiments.matrix.results import compile_study
 from statelab.experiments.matrix.spec import StudyError, StudySpec, check_prompts_fit, load_spec
 from statelab.experiments.matrix.store import CellLog, StudyDir
+from statelab.experiments.records import STUDY_CELL, STUDY_VALUES
 from statelab.lab.archive import ArchiveError, load_capture
 from statelab.lab.intervene import natural, subset_cross
 from statelab.lab.receiver import Endpoint
@@ -117,7 +118,7 @@ def _run_locked(spec: StudySpec, sdir: StudyDir, executor: str, workers: int, re
         resumed = sdir.claim(spec)
         base = ContextConfig(backend=spec.backend, n_ctx=spec.n_ctx, n_threads=spec.threads)
         controls = {}
-        finished = CellLog(sdir.cells_path).done(spec.hash) if resumed else {}
+        finished = CellLog(sdir.cells_path, STUDY_CELL, STUDY_VALUES).done(spec.hash) if resumed else {}
         for p in spec.prompts:
             ctl = _controls_current(sdir, spec, p) if resumed else None
             if ctl is None:
@@ -131,7 +132,7 @@ def _run_locked(spec: StudySpec, sdir: StudyDir, executor: str, workers: int, re
 
     spec_record = sdir.read_spec()
     tasks, withheld = plan(spec_record, sdir, controls)
-    log = CellLog(sdir.cells_path)
+    log = CellLog(sdir.cells_path, STUDY_CELL, STUDY_VALUES)
     done = log.done(spec.hash)
     todo = [t for t in tasks if t["key"] not in done]
     rep.start(total=len(tasks) + len(withheld), done=len(tasks) - len(todo), withheld=len(withheld))

@@ -179,7 +179,7 @@ def check_prompts_fit(spec: StudySpec, model) -> dict[str, int]:
     out = {}
     for p in spec.prompts:
         n = len(model.tokenize(p.text))
-        check_prompt_fits(p.id, n, spec.n_ctx, spec.arms, lambda msg: _err(spec.path, msg))
+        check_prompt_fits(p.id, n, spec.n_ctx, spec.arms, lambda msg: _err(spec.path, msg), spec.cap)
         out[p.id] = n
     return out
 

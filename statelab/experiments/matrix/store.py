@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from statelab.experiments.folder import RunFolder
+from statelab.experiments.records import check_record
 from statelab.paths import atomic_write_text
 from statelab.experiments.matrix.spec import FORMAT, StudyError, StudySpec, slug
 
@@ -67,8 +68,13 @@ class CellLog:
     """Append-only JSON lines.  A line that a killed writer left unfinished (no trailing
     newline) is cut off when the log is opened, so every kept line is a whole record."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, schema: dict | None = None, values: dict | None = None,
+                 error: type[Exception] = StudyError):
+        """``schema`` (status -> field -> JSON types, :mod:`statelab.experiments.records`): every
+        record read back is checked against it, one line naming the file, line and field."""
         self.path = Path(path)
+        self.schema, self.values, self.error = schema, values, error
+        self.lines: list[int] = []  # the line of each record of the last records() call
         self.repaired = self._repair()
 
     def _repair(self) -> int:
@@ -87,14 +93,19 @@ class CellLog:
     def records(self) -> list[dict]:
         if not self.path.is_file():
             return []
-        out = []
+        out, lines = [], []
         for i, line in enumerate(self.path.read_text().splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                out.append(json.loads(line))
+                rec = json.loads(line)
             except ValueError:
-                raise StudyError(f"{self.path}: line {i} is not valid JSON (the log was edited?)") from None
+                raise self.error(f"{self.path}: line {i} is not valid JSON (the log was edited?)") from None
+            if self.schema is not None:
+                check_record(rec, self.schema, self.path, i, self.error, self.values)
+            out.append(rec)
+            lines.append(i)
+        self.lines = lines
         return out
 
     def done(self, spec_hash: str | None = None) -> dict[str, dict]:
