@@ -267,6 +267,7 @@ class _Reader:
     def __init__(self, buf: memoryview, copy: bool = True):
         self.buf = buf
         self.copy = copy
+        self.meta_views: list[np.ndarray] = []  # copy=False: each part's (n, 3) cell table, a view of buf
         self.n = len(buf)
         self.off = 0
 
@@ -300,6 +301,8 @@ def _parse_meta(r: _Reader, n_cells: int, ext_size: int, header_seq: int):
         if need <= r.n - r.off:
             table = np.frombuffer(r.buf, dtype="<i4", count=n_cells * 3, offset=r.off).reshape(n_cells, 3)
             if np.all(table[:, 1] == 1):
+                if not r.copy:
+                    r.meta_views.append(table)
                 r.off += need
                 pos = table[:, 0].astype(np.int32)
                 ids = table[:, 2].astype(np.int32)
@@ -493,10 +496,13 @@ def _parse(buf: memoryview, ext_size: int, layout: "MemoryLayout | None", copy: 
     if len({p.v_trans for p in filled}) > 1:
         raise KVFormatError("the cache parts of the blob disagree on v_trans: unexpected layout")
     first = parts[0]
-    return KVState(
+    out = KVState(
         positions=first.positions, seq_ids=first.seq_ids, v_trans=filled[0].v_trans if filled else False,
         k=k, v=v, k_types=kt, v_types=vt, seq_id=header_seq, parts=parts,
     )
+    if not copy:
+        out.__dict__["meta_views"] = r.meta_views  # for in-place rewrites of the cells' sequence ids
+    return out
 
 
 # --------------------------------------------------------------------------- state

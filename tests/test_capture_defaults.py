@@ -166,8 +166,9 @@ def test_a_gemma_state_file_with_swapped_or_duplicated_positions_is_refused(gemm
 
 @pytest.mark.model
 def test_import_peak_memory_is_bounded(model, tmp_path):
-    """The memory an import of a real 900-token state adds over loading the model: well under
-    three times the state's size (one read buffer, one blob, and the recipient context)."""
+    """The memory an import of a real 900-token state (15 MB) takes over the model and a
+    recipient context of its own: at most 1.5x the state (the file is read into one buffer
+    that becomes the capture's blob, restored and read back without further copies)."""
     from statelab import prompts
 
     text = " ".join(prompts.humaneval(f"HumanEval/{i}").text for i in range(6))
@@ -177,20 +178,33 @@ def test_import_peak_memory_is_bounded(model, tmp_path):
     assert _cli("export-state", tmp_path / "c", tmp_path / "s.bin").exit_code == 0
     size = (tmp_path / "s.bin").stat().st_size
     code = textwrap.dedent(f"""
-        import resource
-        from statelab.runtime import ContextConfig, Model
+        from statelab.runtime import Context, ContextConfig, Model
         from statelab.lab.interop import import_state_file
+
+        def status(key):
+            for line in open("/proc/self/status"):
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+
+        def costs(fn):  # (the peak resident memory fn adds over what was resident before it, its result)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM (the peak) to the current resident size
+            before = status("VmRSS:")
+            out = fn()
+            return status("VmHWM:") - before, out
         m = Model(None)
         cfg = ContextConfig(n_ctx=1024)
-        from statelab.runtime import Context
-        with Context(m, cfg):  # the recipient context's own buffers, measured apart
-            pass
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        c = import_state_file({str(tmp_path / "s.bin")!r}, m, cfg)
-        print("PEAK_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base, len(c.blob))
+        Context(m, cfg).close()  # warm: the first context's one-time allocations
+        ctx_cost, _ = costs(lambda: Context(m, cfg).close())
+        imp_cost, c = costs(lambda: import_state_file({str(tmp_path / "s.bin")!r}, m, cfg))
+        print("PEAKS", ctx_cost, imp_cost, len(c.blob))
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert "PEAK_KB" in r.stdout, r.stdout + r.stderr[-2000:]
-    peak = int(r.stdout.split("PEAK_KB")[1].split()[0]) * 1024
-    print(f"state {size} B, peak over the model and a context: {peak} B ({peak / size:.2f}x)")
-    assert peak <= 3 * size, (peak, size)
+    assert "PEAKS" in r.stdout, r.stdout + r.stderr[-2000:]
+    ctx_cost, imp_cost, n = (int(x) for x in r.stdout.split("PEAKS")[1].split())
+    assert n == size - 12 - 4 * int(np.load(tmp_path / "c" / "tokens.npy").size) + 8  # the blob is the state
+    extra = imp_cost - ctx_cost
+    print(f"state {size} B; a recipient context {ctx_cost} B; import {imp_cost} B: beyond its context {extra} B "
+          f"({extra / size:.2f}x the state)")
+    assert extra <= 1.5 * size, (extra, size)
+

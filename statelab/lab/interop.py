@@ -327,12 +327,31 @@ def sequence_zero_state(memory, source: str) -> KVState:
         raise InteropError(f"{source}: the state holds the cells of sequences {sorted(set(ids.tolist()))} "
                            f"(shared cells: {int(np.count_nonzero(counts != 1))}); save one sequence with "
                            "llama_state_seq_save_file and import that")
+    views = st.__dict__.get("meta_views") or []
+    if isinstance(framed, memoryview) and len(views) == len([p for p in st.part_list if p.n_cells]):
+        # the cells' tables lie in the file's buffer: rewritten there, the buffer is the capture's
+        # blob (no second copy of the state)
+        for table in views:
+            table[:, 2] = 0
+        framed[4:8] = struct.pack("<i", 0)
+        st.__dict__["framed_blob"] = framed
     st.seq_id = 0  # the cell meta was parsed into arrays of their own: rewriting it touches no value
     st.seq_ids = tuple(np.zeros((st.n_cells, 1), dtype=np.int32))
     if st.parts:
         st.parts = [replace(p, seq_ids=tuple(np.zeros((p.n_cells, 1), dtype=np.int32))) for p in st.parts]
         st.parts[0].positions = st.positions
     return st
+
+
+def _blob_of(st: KVState):
+    """The capture blob of a sequence-0 state: the file's buffer itself when the state was
+    rewritten in place there (checked against the serialisation's length and header), else
+    :meth:`KVState.to_bytes`."""
+    framed = st.__dict__.get("framed_blob")
+    if framed is None:
+        return st.to_bytes()
+    st.validate()
+    return framed.obj  # a bytearray: hashed, saved and restored as it is
 
 
 def _kv_type_name(t: int) -> str:
@@ -465,13 +484,36 @@ def _recipient_config(st: KVState, config, n: int, source: str, flash_attn: bool
     return config.with_(**types, flash_attn=fa, n_ctx=max(config.n_ctx, n + 1))
 
 
+def reads_back(ctx, blob, tokens) -> bool:
+    """Whether sequence 0 of ``ctx`` reads back as ``blob``, in bounded memory: the library
+    writes it to a temporary file of its own (``llama_state_seq_save_file``: header, tokens,
+    then the memory part, written layer by layer), compared with the blob in 1 MiB chunks;
+    no second in-memory copy of the state is made."""
+    import tempfile
+
+    from statelab.runtime import statefile
+
+    with tempfile.TemporaryDirectory(prefix="statelab-readback-") as d:
+        path = Path(d) / "seq.bin"
+        statefile.seq_save_file(ctx, path, tokens)
+        mem = memoryview(blob)[8:]
+        with open(path, "rb") as f:
+            f.seek(_HEADER.size + 4 * len(tokens))
+            step, off = 1 << 20, 0
+            while chunk := f.read(step):
+                if mem[off:off + len(chunk)] != chunk:
+                    return False
+                off += len(chunk)
+        return off == len(mem)
+
+
 def restore_in_recipient(model, config, blob: bytes, tokens: np.ndarray, source: str, recompute: bool):
     """The real library takes the state and reads it back byte for byte; with ``recompute`` the
     last token's logits are re-evaluated there (:func:`recompute_last_logits`)."""
     n = len(tokens)
     with Context(model, config) as ctx:
         ctx.state_set(blob)
-        if ctx.state_get() != blob:
+        if not reads_back(ctx, blob, tokens):
             raise InteropError(f"{source}: the state read back from llama.cpp differs from the imported one")
         if ctx.seq_pos_max(0) != n - 1:
             raise InteropError(f"{source}: restored state ends at position {ctx.seq_pos_max(0)}, expected {n - 1}")
@@ -516,7 +558,7 @@ def import_incoming(inc: Incoming, model, config, *, prompt=None, logits: str = 
         schedule.submissions(len(tokens))  # the stated formation must fit the tokens
         config = context_config_for(schedule, config)
     config = _recipient_config(st, config, len(tokens), inc.source, flash_attn)
-    blob = st.to_bytes()
+    blob = _blob_of(st)
     recomputed = restore_in_recipient(model, config, blob, tokens, inc.source, lg is None)
     identity = imported_identity(inc, model, config, prompt, logits, source_backend)
     if after is not None:

@@ -398,7 +398,9 @@ class Context(Closing):
 
     def state_set(self, blob: bytes, seq_id: int = 0) -> None:
         L = llama()
-        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        # a bytearray is handed over as it is (llama.cpp only reads it), bytes are copied once
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer(blob) if isinstance(blob, bytearray) else \
+            (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         r = L.llama_state_seq_set_data(self.ptr, buf, len(blob), seq_id)
         if r != len(blob):
             raise DecodeError(f"llama_state_seq_set_data consumed {r} of {len(blob)} bytes "
