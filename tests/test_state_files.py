@@ -256,6 +256,12 @@ def test_cli_flash_attention_capture_exports_imports_continues_and_refuses_a_mis
     assert a["tokens"] == b["tokens"]
     r = _cli("import-state", d / "fa.bin", d / "no", "-p", PROMPT, "--no-flash-attn")
     _one_line(r, "untransposed V (flash attention)")
+    # crosses between flash-attention captures (A's state into R's path) run
+    assert _cli("capture", d / "fa_r", "-p", PROMPT, "-s", "R", "--flash-attn", "--cache-type-v", "q8_0",
+                "--cache-type-k", "q8_0").exit_code == 0
+    r = _cli("cross", d / "fa", d / "fa_r", "--cap", CAP, "--json")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert json.loads(r.output)["length"] >= 1
     # a flash-attention donor into a recipient path without flash attention: the V layout is named
     assert _cli("capture", d / "plain", "-p", PROMPT, "--cache-type-k", "q8_0", "--cache-type-v", "f16"
                 ).exit_code == 0

@@ -68,10 +68,12 @@ class RunData:
 
 
 def _log(path: Path, spec_hash: str) -> list[dict]:
+    from statelab.experiments.records import FINDINGS_TARGET
+
     if not path.is_file():
         return []
     out: dict[str, dict] = {}
-    for r in CellLog(path).records():
+    for r in CellLog(path, FINDINGS_TARGET[path.stem], error=FindingsInputError).records():
         if r.get("spec_hash") == spec_hash:
             out[r["key"]] = r  # the latest record of a target wins (a failed one retried)
     return list(out.values())

@@ -41,6 +41,7 @@ from statelab.experiments.lanes import CellCache
 from statelab.experiments.frontier_panels import frontier_rows, run_panels
 from statelab.experiments.matrix.cells import plan
 from statelab.experiments.matrix.results import load_dataset
+from statelab.experiments.records import FINDINGS_TARGET
 from statelab.experiments.matrix.store import CellLog, StudyDir
 from statelab.lab.intervene import subset_cross
 from statelab.lab.receiver import Endpoint
@@ -280,7 +281,7 @@ def run_findings(out, kind: str, budget_s: float, workers: int = 2, limit: int |
         tasks, _ = plan(spec, sdir, sdir.all_controls())
         by_cell = {(t["prompt"], t["selector"], t["direction"]): t for t in tasks if t["repeat"] == 0}
         targets = class_b_targets(ds)
-        log = CellLog(log_path(out, kind))
+        log = CellLog(log_path(out, kind), FINDINGS_TARGET[kind], error=FindingsError)
         done = {r["key"] for r in log.records() if r.get("spec_hash") == spec["spec_hash"]
                 and r.get("status") in ("ok", "skipped")}
         jobs = []

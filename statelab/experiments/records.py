@@ -33,6 +33,17 @@ STUDY_VALUES = {"klass": ("B", "C", "D")}
 CAMPAIGN_BLOCK = {"ok": {"key": STR, "status": STR, "spec_hash": STR, "records": (list,)}}
 
 
+_TARGET_KEYS = {"key": STR, "task": STR, "selector": STR, "direction": STR, "spec_hash": STR, "status": STR}
+#: the findings logs of a study folder (findings/minimal.jsonl, findings/panels.jsonl)
+FINDINGS_TARGET = {
+    "minimal": {"ok": {**_TARGET_KEYS, "found": (bool,), "layers": (list,), "n_layers": INT, "n_positions": INT,
+                       "selected_bytes": INT, "share": NUM, "evaluations": INT},
+                "skipped": {**_TARGET_KEYS, "reason": STR}, "failed": {**_TARGET_KEYS, "error": STR}},
+    "panels": {"ok": {**_TARGET_KEYS, "components": (list,), "box": (dict,)},
+               "skipped": {**_TARGET_KEYS, "reason": STR}, "failed": {**_TARGET_KEYS, "error": STR}},
+}
+
+
 def _type_names(types) -> str:
     names = {int: "an integer", float: "a number", str: "a string", bool: "true/false", dict: "an object",
              list: "a list", type(None): "null"}

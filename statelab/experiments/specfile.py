@@ -244,6 +244,6 @@ def check_prompt_fits(prompt_id: str, n: int, n_ctx: int, arms: dict, err: Err, 
                   + ("; raise n_ctx or lower cap" if cap else ""))
     for arm, sched in arms.items():
         try:
-            sched.submissions(n)
+            sched.fitted(n).submissions(n)  # formation raises n_batch to the largest submission
         except ConfigError as e:
             raise err(f"prompt {prompt_id} ({n} tokens), arm {arm}: {e}") from None
