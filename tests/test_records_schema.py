@@ -160,3 +160,43 @@ def test_a_campaign_spec_whose_prompt_and_cap_exceed_n_ctx_is_refused_at_load(tm
         CampaignSpec.load(p)
     p.write_text('prompts = ["HumanEval/2"]\narms = ["R", "C_QB"]\nk = 3\ncap = 16\nn_ctx = 256\n')
     assert CampaignSpec.load(p).spec_config().n_ctx == 256
+
+
+def test_findings_logs_have_their_schema(tmp_path):
+    from statelab.analysis.findings import FindingsInputError, _log
+
+    rec = {"key": "t", "task": "p", "selector": "L0", "direction": "A->R", "spec_hash": "h", "status": "ok",
+           "found": True, "layers": [0], "n_layers": 1, "n_positions": 1, "selected_bytes": 4, "share": 0.1,
+           "evaluations": 3}
+    p = tmp_path / "minimal.jsonl"
+    p.write_text(json.dumps(rec) + "\n")
+    assert [r["key"] for r in _log(p, "h")] == ["t"]
+    rec.pop("n_layers")
+    p.write_text(json.dumps(rec) + "\n")
+    with pytest.raises(FindingsInputError, match="minimal.jsonl: line 1: the ok record lacks the field 'n_layers'"):
+        _log(p, "h")
+
+
+def test_the_kept_cuda_run_validates():
+    """The study folder kept in docs (a real CUDA run): every cell record passes the schema and
+    every ok cell's class agrees with its endpoint and its prompt's natural endpoints."""
+    import gzip
+
+    from statelab.experiments.records import check_study_cell_against_controls
+
+    run = Path(__file__).resolve().parents[1] / "docs" / "findings" / "cuda" / "run"
+    spec = json.loads((run / "spec.json").read_text())
+    controls = {}
+    for p in (run / "controls").glob("*.json"):
+        c = json.loads(p.read_text())
+        controls[c["prompt"]] = c
+    from statelab.experiments.records import check_record
+
+    n = 0
+    with gzip.open(run / "cells.jsonl.gz", "rt") as f:
+        for i, line in enumerate(f, 1):
+            rec = check_record(json.loads(line), STUDY_CELL, "cells.jsonl", i, StudyError, STUDY_VALUES)
+            if rec["status"] == "ok" and rec["spec_hash"] == spec["spec_hash"]:
+                check_study_cell_against_controls(rec, controls, "cells.jsonl", i, StudyError)
+                n += 1
+    assert n > 20000
