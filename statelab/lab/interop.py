@@ -335,7 +335,7 @@ def sequence_zero_state(memory, source: str) -> KVState:
             table[:, 2] = 0
         framed[4:8] = struct.pack("<i", 0)
         st.__dict__["framed_blob"] = framed
-    st.seq_id = 0  # the cell meta was parsed into arrays of their own: rewriting it touches no value
+    st.seq_id = 0  # the parsed cell meta (arrays of their own) says the same
     st.seq_ids = tuple(np.zeros((st.n_cells, 1), dtype=np.int32))
     if st.parts:
         st.parts = [replace(p, seq_ids=tuple(np.zeros((p.n_cells, 1), dtype=np.int32))) for p in st.parts]
@@ -345,8 +345,8 @@ def sequence_zero_state(memory, source: str) -> KVState:
 
 def _blob_of(st: KVState):
     """The capture blob of a sequence-0 state: the file's buffer itself when the state was
-    rewritten in place there (checked against the serialisation's length and header), else
-    :meth:`KVState.to_bytes`."""
+    rewritten in place there (the codec's round trip makes it what :meth:`KVState.to_bytes`
+    would give; its arrays are validated), else :meth:`KVState.to_bytes`."""
     framed = st.__dict__.get("framed_blob")
     if framed is None:
         return st.to_bytes()
@@ -555,6 +555,7 @@ def import_incoming(inc: Incoming, model, config, *, prompt=None, logits: str = 
     check_against_model(tokens, st, model, inc.source)
     after = check_prompt_tokens(model, prompt, tokens, inc.source) if prompt is not None else None
     if schedule is not None:
+        schedule = schedule.fitted(len(tokens))  # n_batch as capture would raise it
         schedule.submissions(len(tokens))  # the stated formation must fit the tokens
         config = context_config_for(schedule, config)
     config = _recipient_config(st, config, len(tokens), inc.source, flash_attn)
