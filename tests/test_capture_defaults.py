@@ -105,6 +105,7 @@ def test_a_capture_whose_model_file_is_gone_or_differs_says_so_in_one_line(model
 
 
 @pytest.mark.model
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["A", "R"])
 def test_schedules_take_prompts_over_512_tokens(model, tmp_path, schedule):
     from statelab import prompts
