@@ -432,6 +432,8 @@ def campaign_hash(spec: CampaignSpec, draft: str | None) -> str:
 
 
     fields = {k: v for k, v in asdict(spec).items() if k not in ANALYSIS_FIELDS}
+    if fields.get("n_ctx") == 1024:  # every campaign ran at 1024 before specs named n_ctx: same identity
+        fields.pop("n_ctx")
     fields["prompts"] = [key for _, key in spec.prompt_table()]
     fields["model"] = model_sha256(resolve_model(spec.model))
     return hashlib.sha256(json.dumps([fields, draft], sort_keys=True).encode()).hexdigest()
