@@ -200,3 +200,12 @@ def test_the_kept_cuda_run_validates():
                 check_study_cell_against_controls(rec, controls, "cells.jsonl", i, StudyError)
                 n += 1
     assert n > 20000
+
+
+def test_campaign_n_ctx_is_part_of_what_blocks_measured(tmp_path):
+    from statelab.experiments.campaign import CampaignSpec, campaign_hash
+
+    spec = CampaignSpec(prompts=["HumanEval/3"], arms=["R", "M_QB"])
+    assert spec.n_ctx == 1024 and spec.spec_config().n_ctx == 1024
+    other = CampaignSpec(**{**spec.__dict__, "n_ctx": 2048})
+    assert other.spec_config().n_ctx == 2048 and campaign_hash(other, None) != campaign_hash(spec, None)
