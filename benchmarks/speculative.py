@@ -30,7 +30,8 @@ from _report import machine, update_section
 
 from statelab.experiments.campaign import CampaignSpec, run_campaign
 from statelab.runtime.layouts import Layout
-from statelab.speculative.transaction import Arm, is_ngram
+from statelab.speculative.drafters import is_ngram
+from statelab.speculative.transaction import Arm
 
 GOAL = ("R", "C_QB", 1.5)
 
