@@ -272,3 +272,17 @@ def test_calibration_measures_every_row_count(model, he):
 
     res = qualify([runner.run("R", he("HumanEval/155")), runner.run("C_QB", he("HumanEval/155"))])
     assert res[1].qualified
+
+
+def test_adaptive_k_reaches_seven_with_fixed_rows():
+    from statelab.speculative.transaction import AdaptiveK, SpecConfig
+
+    k = AdaptiveK(3, 7)
+    for p in (3, 4, 5, 6, 7, 7):
+        assert k.k == p
+        k.update(p, p)
+    assert k.k == 7
+    k.update(7, 2)
+    assert k.k == 3
+    cfg = SpecConfig(k=3, k_max=7, fixed_rows=True)
+    assert cfg.rows == 8 and cfg.target_ubatch == 8 and cfg.queries == 8

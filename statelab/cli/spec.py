@@ -74,6 +74,7 @@ def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see
                   draft: Optional[str] = typer.Option(None, "--draft", help="override the spec's drafter"),
                   k: Optional[int] = typer.Option(None, "--k", help="override the spec's k"),
                   k_max: Optional[int] = typer.Option(None, "--k-max", help="override the spec's k_max"),
+                  cap: Optional[int] = typer.Option(None, "--cap", help="override the spec's cap (tokens per request)"),
                   budget: Optional[float] = typer.Option(None, "--budget", help="start no new block after this "
                                                          "many seconds (run again with the same --out to resume)")):
     """Fresh worker processes, counterbalanced blocks, sessions, bootstrap intervals; resumable."""
@@ -82,7 +83,7 @@ def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see
     from statelab.experiments.campaign import CampaignSpec, plan, run_campaign
     from statelab.report import campaign_page
 
-    spec = CampaignSpec.load(spec_path, draft=draft, k=k, k_max=k_max)
+    spec = CampaignSpec.load(spec_path, draft=draft, k=k, k_max=k_max, cap=cap)
     with Progress(console=console, transient=True) as prog:
         task = prog.add_task("blocks", total=len(plan(spec, spec.draft)))
         res = run_campaign(spec, out, progress=lambda: prog.advance(task), budget_s=budget)
