@@ -108,7 +108,7 @@ def test_session_matches_a_brute_force_search():
             d.remember(o)
         got = d.propose(h, 4).tolist()
 
-        def best(seqs, lo, hi):
+        def best(seqs, lo, hi, h=h):
             """Longest n in [lo, hi] first, most recent occurrence with a continuation."""
             for n in range(min(hi, len(h)), lo - 1, -1):
                 hits = [(si, j) for si, s in enumerate(seqs) for j in range(n - 1, len(s) - 1)
@@ -188,7 +188,13 @@ def test_feed_gives_each_block_its_sessions_earlier_outputs_and_costs():
 
 
 def test_breakdown_by_group_and_prompt():
-    from statelab.experiments.campaign import CampaignSpec, breakdown, breakdown_markdown, contrasts, prompt_key
+    from statelab.experiments.campaign import (
+        CampaignSpec,
+        breakdown,
+        breakdown_markdown,
+        contrasts,
+        prompt_key,
+    )
 
     spec = CampaignSpec(prompts=["HumanEval/57", "text:hello there"], arms=["R", "C_QB"], draft="ngram:1-8",
                         resamples=200)
@@ -200,7 +206,7 @@ def test_breakdown_by_group_and_prompt():
             for arm, sec in (("R", 1.0 + 0.01 * s), ("C_QB", (1.0 + 0.01 * s) / speed)):
                 recs.append({"arm": arm, "prompt": pid, "prompt_sha256": sha, "key": key, "session": s,
                              "seconds": sec, "qualified": True})
-    assert prompt_key(recs[0]) == keys[0][:len(keys[0])]
+    assert prompt_key(recs[0]) == keys[0]
     rows = contrasts(recs, spec.ratios[-1:], 1.02, 1, 200)
     parts = breakdown(spec, recs, rows)
     by = {(p["scope"], p["name"]): p for p in parts}
