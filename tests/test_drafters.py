@@ -233,7 +233,7 @@ def test_session_cache_accepts_more_on_a_repeated_request(model, he):
     from statelab.speculative.transaction import Runner, SpecConfig, qualify
 
     _layouts_or_skip()
-    cfg = SpecConfig(k=3, k_max=7, fixed_rows=True, cap=24)
+    cfg = SpecConfig(k=3, k_max=7, fixed_rows=True, cap=24, threads=1)
     runner = Runner(model, None, cfg, draft="ngram:2-6+session")
     p = he("HumanEval/57")
     ref = runner.run("R", p)
@@ -251,7 +251,7 @@ def test_gate_turns_drafting_off_when_verify_is_dear_and_output_stays_r(model, h
     from statelab.speculative.transaction import Runner, SpecConfig, qualify
 
     _layouts_or_skip()
-    cfg = SpecConfig(k=3, fixed_rows=True, cap=24)
+    cfg = SpecConfig(k=3, fixed_rows=True, cap=16, threads=1)
     p = he("HumanEval/155")
     dear = VerifyCosts(same=(0.001, 1.0, 1.0, 1.0), change=(0.001, 1.0, 1.0, 1.0))
     cheap = VerifyCosts(same=(0.001,) * 4, change=(0.001,) * 4)
@@ -269,7 +269,7 @@ def test_calibration_measures_every_row_count(model, he):
     from statelab.speculative.transaction import Runner, SpecConfig
 
     _layouts_or_skip()
-    runner = Runner(model, None, SpecConfig(k=2, k_max=3, fixed_rows=True, cap=8), draft="ngram:1-8")
+    runner = Runner(model, None, SpecConfig(k=2, k_max=3, fixed_rows=True, cap=8, threads=1), draft="ngram:1-8")
     c = runner.measure_verify_costs("C_QB", he("HumanEval/155"), calls=2)
     assert c.rows == 4 and all(x > 0 for x in c.same + c.change)
     # the gate built from a real calibration runs and still reproduces R

@@ -275,7 +275,6 @@ def resolve(text: str | None, target=None, cache_dir: Path | None = None) -> Dra
     if t == "self":
         return ModelDrafter(None, text="self")
     from statelab.models import model_sha256, resolve_model
-    from statelab.speculative.derive import same_vocabulary
 
     tpath = resolve_model(getattr(target, "path", target))
     if t.startswith("derive:"):
@@ -287,12 +286,19 @@ def resolve(text: str | None, target=None, cache_dir: Path | None = None) -> Dra
         if not out.exists():
             derive_truncated(tpath, out, n)
         return ModelDrafter(str(out), text=str(out))
-    ok, why = same_vocabulary(tpath, resolve_model(t))
-    if not ok:
-        from statelab.errors import IdentityError
-
-        raise IdentityError(f"the draft model does not share the target's vocabulary: {why}")
+    check_vocabulary(tpath, t)
     return ModelDrafter(t, text=t)
+
+
+def check_vocabulary(target_path, draft_path) -> None:
+    """A draft model must share the target's vocabulary (read from both headers, nothing loaded)."""
+    from statelab.errors import IdentityError
+    from statelab.models import resolve_model
+    from statelab.speculative.derive import same_vocabulary
+
+    ok, why = same_vocabulary(resolve_model(target_path), resolve_model(draft_path))
+    if not ok:
+        raise IdentityError(f"the draft model does not share the target's vocabulary: {why}")
 
 
 # -- when proposing pays ------------------------------------------------------------------------

@@ -39,19 +39,18 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from statelab.analysis.classes import first_difference
-from statelab.errors import ConfigError, IdentityError
+from statelab.errors import ConfigError
 from statelab.lab.receiver import Endpoint, check_cap
 from statelab.limits import check_threads, check_tokens, int_list
-from statelab.models import resolve_model
 from statelab.runtime import Context, ContextConfig, layouts
 from statelab.runtime.layouts import Layout
-from statelab.speculative.derive import same_vocabulary
 from statelab.speculative.drafters import (
     Drafter,
     Gate,
     ModelDrafter,
     NgramDrafter,
     VerifyCosts,
+    check_vocabulary,
     is_ngram,  # noqa: F401 (re-exported: older callers import it from here)
     parse_ngram,  # noqa: F401 (re-exported)
     remove_after,
@@ -460,14 +459,11 @@ class SpecConfig:
         return self.max_queries or self.target_ubatch
 
 
-def check_draft_paths(target_path, draft_path) -> None:
-    ok, why = same_vocabulary(resolve_model(target_path), resolve_model(draft_path))
-    if not ok:
-        raise IdentityError(f"the draft model does not share the target's vocabulary: {why}")
+check_draft_paths = check_vocabulary
 
 
 def check_draft(target_model, draft_model) -> None:
-    check_draft_paths(target_model.path, draft_model.path)
+    check_vocabulary(target_model.path, draft_model.path)
 
 
 class Runner:
