@@ -140,15 +140,20 @@ def test_gate_submits_when_rows_are_cheap_and_follows_acceptance():
     cheap = VerifyCosts(same=(1.0, 1.1, 1.2, 1.3), change=(1.5, 1.6, 1.7, 1.8))
     g = Gate(cheap)
     assert g.choose("k", 3, 1, None) == 3  # rows follow p: the best length is all three
+    assert g.acceptance("new") == 0.75  # optimistic: a kind of match never tried is tried
     for _ in range(30):  # a kind of match that is always rejected loses its proposals
         g.update("bad", 3, 0)
     assert g.choose("bad", 3, 1, None) == 0
     for _ in range(30):
         g.update("good", 3, 3)
     assert g.acceptance("good") > 0.95 and g.choose("good", 3, 1, None) == 3
-    # a shape change dearer than the rows: staying at 4 rows beats a 1-row call even for a poor proposal
+    # a shape change dearer than the rows: staying at 4 rows beats a 1-row call even for a poor proposal ...
     sticky = Gate(VerifyCosts(same=(1.0, 1.1, 1.2, 1.3), change=(4.0, 4.0, 4.0, 4.0)), stats=dict(g.stats))
     assert sticky.choose("bad", 3, 4, None) == 3
+    # ... but not for ever: when 4 rows cost far more than one, the gate leaves them (the change paid once)
+    leave = Gate(VerifyCosts(same=(1.0, 2.0, 2.5, 3.0), change=(4.0, 4.0, 4.0, 4.0)), stats=dict(g.stats))
+    assert leave.choose("bad", 3, 4, 4) == 0 and leave.plain(4, 4) == (1, 1.75)
+    assert leave.choose("good", 3, 4, 4) == 3
     # fixed rows, previous call 4 rows: no proposal keeps the padded 4-row call when that is cheaper
     assert sticky.plain(4, 4) == (4, 1.3) and sticky.plain(1, 4) == (1, 1.0) and g.plain(1, 4) == (1, 1.0)
     g.start()
@@ -157,7 +162,9 @@ def test_gate_submits_when_rows_are_cheap_and_follows_acceptance():
 
 def test_verify_costs_round_trip_and_checks():
     c = VerifyCosts((0.001, 0.002), (0.003, 0.004))
-    assert VerifyCosts.from_dict(c.as_dict()) == c and c.rows == 2 and c.cost(2, 1) == 0.004 and c.cost(2, 2) == 0.002
+    assert VerifyCosts.from_dict(c.as_dict()) == c and c.rows == 2 and c.cost(2, 2) == 0.002
+    # a shape change's extra is spread over the calls the new shape is expected to last
+    assert c.cost(2, 1) == pytest.approx(0.002 + (0.004 - 0.002) / drafters.SPAN) and c.cost(2, 0) == 0.002
     with pytest.raises(ConfigError):
         VerifyCosts((0.001,), (0.001, 0.002))
 

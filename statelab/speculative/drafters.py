@@ -303,6 +303,9 @@ def check_vocabulary(target_path, draft_path) -> None:
 
 # -- when proposing pays ------------------------------------------------------------------------
 
+SPAN = 4  # calls a new verify shape is expected to last (the gate spreads a shape change's extra over them)
+
+
 @dataclass(frozen=True)
 class VerifyCosts:
     """Seconds of one verify call by rows (index r - 1 for r rows): ``same`` when the previous
@@ -321,7 +324,14 @@ class VerifyCosts:
         return len(self.same)
 
     def cost(self, rows: int, prev_rows: int) -> float:
-        return (self.same if rows == prev_rows else self.change)[rows - 1]
+        """What a call of ``rows`` rows costs after a call of ``prev_rows`` (0: none yet): its
+        same-shape cost, plus the extra of a shape change spread over the SPAN calls that the
+        new shape is expected to last (so a gate neither thrashes between shapes nor stays
+        in a dear shape for ever because leaving it once costs more)."""
+        same = self.same[rows - 1]
+        if prev_rows and rows != prev_rows:
+            return same + (self.change[rows - 1] - same) / SPAN
+        return same
 
     def as_dict(self) -> dict:
         return {"same": list(self.same), "change": list(self.change)}
@@ -339,11 +349,13 @@ class Gate:
     shape, the padded call instead when that is cheaper than changing shape).  A proposal of
     p tokens from evidence `key` is expected to keep a^1 + ... + a^p of them, a the running
     probability that the next proposed token is accepted given the previous ones were
-    (Laplace-smoothed: accepted / (accepted + rejections) per key, this request only).  It
+    (accepted / (accepted + rejections) per key, this request only, from optimistic
+    pseudo-counts 3:1, so a kind of match is tried until its own record turns it off).  It
     is submitted (cut to its best length when rows follow it) only when expected kept tokens
     x the one-row cost exceed the extra cost of its verify over the no-proposal cycle."""
     costs: VerifyCosts
-    prior: tuple[float, float] = (1.0, 1.0)  # pseudo-counts (accepted, rejected) of a key never tried
+    prior: tuple[float, float] = (3.0, 1.0)  # pseudo-counts (accepted, rejected): optimistic, so every kind of
+    # match is tried in each request until its own evidence says it does not pay
     stats: dict = field(default_factory=dict)
     declined: int = 0
 
