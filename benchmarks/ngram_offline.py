@@ -17,7 +17,8 @@ import numpy as np
 from statelab import prompts
 from statelab.experiments.campaign import CampaignSpec
 from statelab.runtime import Model
-from statelab.speculative.transaction import AdaptiveK, NgramDrafter, Runner, SpecConfig, parse_ngram
+from statelab.speculative.drafters import NgramDrafter, parse_ngram
+from statelab.speculative.transaction import AdaptiveK, Runner, SpecConfig
 
 
 def replay(prompt: np.ndarray, out: np.ndarray, drafter: NgramDrafter, kp: AdaptiveK) -> tuple[int, int, int, int]:
