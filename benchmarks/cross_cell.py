@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from _report import machine, update_section
 
+from statelab.errors import script_main  # noqa: E402
 from statelab import prompts
 from statelab.lab.archive import load_capture, save_capture
 from statelab.lab.formation import PRESETS, form
@@ -85,4 +87,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 from _report import machine, update_section
 
+from statelab.errors import script_main  # noqa: E402
 from statelab import prompts
 from statelab.lab.formation import PRESETS, prefill
 from statelab.lab.receiver import continue_greedy
@@ -66,4 +68,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

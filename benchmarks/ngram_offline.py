@@ -11,9 +11,11 @@ rows per call and acceptance over all prompts together.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 
+from statelab.errors import script_main  # noqa: E402
 from statelab import prompts
 from statelab.experiments.campaign import CampaignSpec
 from statelab.runtime import Model
@@ -64,4 +66,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

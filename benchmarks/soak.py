@@ -31,6 +31,7 @@ from pathlib import Path
 import psutil
 from _report import machine, update_section
 
+from statelab.errors import script_main  # noqa: E402
 from statelab import prompts
 from statelab.lab.archive import load_capture, save_capture
 from statelab.lab.formation import PRESETS, form
@@ -190,4 +191,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))

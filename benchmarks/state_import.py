@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, sys, time, hashlib
+from statelab.errors import script_main  # noqa: E402
 from statelab import prompts
 from statelab.models import default_model_path
 from statelab.runtime import Context, ContextConfig, Model, layouts
@@ -160,4 +161,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))
