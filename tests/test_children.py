@@ -31,7 +31,7 @@ R = "R"
 """
 
 
-def _gone(pids, timeout=15.0) -> list[int]:
+def _gone(pids, timeout=5.0) -> list[int]:
     """The pids still running (zombies count as ended) after waiting up to ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:

@@ -170,16 +170,10 @@ def test_sigint_study_run(tmp_path):
     def after(i, rc):
         _no_temporaries_study(tmp_path / "runs" / str(i))
 
+    last = tmp_path / "runs" / str(RUNS - 1)  # the rerun resumes the last interrupted folder to a whole study
     _campaign("study run", lambda i: ["study", "run", spec, "--out", tmp_path / "runs" / str(i), "--workers", "1"],
-              after, tmp_path, rng)
-    # the interrupted folders resume to a whole study
-    for i in range(RUNS):
-        folder = tmp_path / "runs" / str(i)
-        if folder.exists() and not (folder / "results.nc").exists():
-            rc, out, err, _ = _run(["study", "run", spec, "--out", folder, "--workers", "1"])
-            assert rc == 0, err
-            assert (folder / "results.nc").is_file()
-            break
+              after, tmp_path, rng, rerun_args=["study", "run", spec, "--out", last, "--workers", "1"])
+    assert (last / "results.nc").is_file() and (last / "report.md").is_file()
     left = [p for p in Path(os.environ.get("TMPDIR", "/tmp")).glob("statelab-fork-*")
             if _owner_dead(p.name)]
     assert not left, left
