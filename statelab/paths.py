@@ -135,10 +135,12 @@ def exclusive_lock(lock_file: str | os.PathLike, error: Callable[[str], Exceptio
 
 
 def output_lock(path: str | os.PathLike, error: Callable[[str], Exception]):
-    """The lock of one output file or folder ``path`` (``.NAME.lock`` beside it, removed
-    again): one writer at a time; a second is refused at once with ``error``."""
+    """The lock of one output file or folder ``path`` (``.NAME-lock`` beside it, removed
+    again; one that a killed writer left is taken over and removed by the next): one writer
+    at a time; a second is refused at once with ``error``.  (Not ``.NAME.*``: those names
+    are the writers' temporaries.)"""
     path = Path(path)
-    return exclusive_lock(path.with_name(f".{path.name}.lock"), error, f"output {path}", remove="always")
+    return exclusive_lock(path.with_name(f".{path.name}-lock"), error, f"output {path}", remove="always")
 
 
 _RENAME_NOREPLACE = 1

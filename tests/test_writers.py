@@ -94,6 +94,10 @@ def test_output_lock_refuses_a_second_writer_and_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the lock file went with the lock
     with output_lock(out, StatelabError):  # and can be taken again
         pass
+    (tmp_path / ".o-lock").write_text("pid 1 on a killed writer")  # left by a killed writer: taken over
+    with output_lock(out, StatelabError):
+        pass
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_refused_folder_writer_leaves_the_folder_as_it_was(tmp_path):
@@ -246,4 +250,4 @@ def test_findings_writes_only_its_own_folders(study_and_capture, cli):
     (other / "mine.txt").write_text("x")
     one_line_error(cli("study", "findings", d / "study", "--out", other), "not a findings folder")
     assert sorted(p.name for p in other.iterdir()) == ["mine.txt"]
-    assert not [p for p in d.iterdir() if p.name.endswith(".lock")]
+    assert not [p for p in d.iterdir() if p.name.endswith("lock")]
