@@ -9,9 +9,11 @@ raises KeyboardInterrupt (as the default one does), except in two cases:
   swallowed ("Exception ignored ..."): it is delivered again shortly, until it lands outside
   a callback and unwinds the command;
 * while :func:`hold` is in force (from the end of the imports until the command starts, and
-  once the command's exit status is decided and its outputs are written) (the command's exit status is decided, its outputs are
-  written) a Ctrl-C only records itself: nothing may unwind the printing of the last line or
-  the interpreter's shutdown (a KeyboardInterrupt there is a traceback or a death by SIGINT).
+  once the command has ended) a Ctrl-C only records itself: nothing may unwind the lines
+  between the imports and the command, or the printing of the last line (a KeyboardInterrupt
+  there is a traceback or a death by SIGINT); the command then exits 130.
+
+Once the exit status is decided, :func:`ignore` ignores SIGINT for the interpreter's shutdown.
 
 Only built-in modules are imported here (``threading`` when first needed): the handler is
 in place a millisecond after the package starts loading.  The interpreter's own start
