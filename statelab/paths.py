@@ -139,8 +139,9 @@ def output_lock(path: str | os.PathLike, error: Callable[[str], Exception]):
     again; one that a killed writer left is taken over and removed by the next): one writer
     at a time; a second is refused at once with ``error``.  (Not ``.NAME.*``: those names
     are the writers' temporaries.)"""
-    path = Path(path)
-    return exclusive_lock(path.with_name(f".{path.name}-lock"), error, f"output {path}", remove="always")
+    full = Path(os.path.abspath(path))  # "." and "dir/.." name a folder too
+    lock = full.parent / f".{full.name or 'root'}-lock"
+    return exclusive_lock(lock, error, f"output {path}", remove="always")
 
 
 _RENAME_NOREPLACE = 1
