@@ -21,8 +21,8 @@ import time
 import numpy as np
 from _report import machine, update_section
 
-from statelab.errors import script_main  # noqa: E402
 from statelab import prompts
+from statelab.errors import script_main
 from statelab.kvstate import KVState
 from statelab.runtime import Context, ContextConfig, Model
 

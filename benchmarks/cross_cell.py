@@ -18,8 +18,8 @@ from pathlib import Path
 
 from _report import machine, update_section
 
-from statelab.errors import script_main  # noqa: E402
 from statelab import prompts
+from statelab.errors import script_main
 from statelab.lab.archive import load_capture, save_capture
 from statelab.lab.formation import PRESETS, form
 from statelab.lab.intervene import config_of, subset_cross

@@ -17,8 +17,8 @@ import time
 
 from _report import machine, update_section
 
-from statelab.errors import script_main  # noqa: E402
 from statelab import prompts
+from statelab.errors import script_main
 from statelab.lab.formation import PRESETS, prefill
 from statelab.lab.receiver import continue_greedy
 from statelab.runtime import Context, ContextConfig, Model, prepare_backend

@@ -15,8 +15,8 @@ import sys
 
 import numpy as np
 
-from statelab.errors import script_main  # noqa: E402
 from statelab import prompts
+from statelab.errors import script_main
 from statelab.experiments.campaign import CampaignSpec
 from statelab.runtime import Model
 from statelab.speculative.transaction import AdaptiveK, NgramDrafter, Runner, SpecConfig, parse_ngram

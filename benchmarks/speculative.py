@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from _report import machine, update_section
 
-from statelab.errors import script_main  # noqa: E402
+from statelab.errors import script_main
 from statelab.experiments.campaign import CampaignSpec, run_campaign
 from statelab.runtime.layouts import Layout
 from statelab.speculative.transaction import Arm, is_ngram

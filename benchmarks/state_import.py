@@ -30,12 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine, update_section  # noqa: E402
+from statelab.errors import script_main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, sys, time, hashlib
-from statelab.errors import script_main  # noqa: E402
 from statelab import prompts
 from statelab.models import default_model_path
 from statelab.runtime import Context, ContextConfig, Model, layouts

@@ -12,23 +12,10 @@ import psutil
 import pytest
 
 from conftest import REPO, STATELAB
+from tiny_study import tiny_study
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
-TINY_STUDY = """name = "tiny"
-backend = "cpu"
-threads = 1
-n_ctx = 256
-cap = 24
-repeats = 1
-prompts = ["text:def add(a, b):"]
-selectors = ["ALL", "EMPTY"]
-directions = ["A->R", "R->A"]
-
-[arms]
-A = "A"
-R = "R"
-"""
 
 
 def _gone(pids, timeout=5.0) -> list[int]:
@@ -63,7 +50,7 @@ def _descendants_when(runner: psutil.Process, enough, timeout=90.0) -> list[psut
 @pytest.mark.parametrize("executor", ["local", "batch"])
 def test_killing_the_runner_leaves_no_process(tmp_path, executor):
     spec = tmp_path / "tiny.toml"
-    spec.write_text(TINY_STUDY)
+    spec.write_text(tiny_study(cap=24, selectors=("ALL", "EMPTY"), directions=("A->R", "R->A")))
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = {**os.environ, "STATELAB_THREADS": "1", "TMPDIR": str(tmp)}

@@ -12,34 +12,19 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, STATELAB
+from tiny_study import PROMPT, tiny_study
 
 RUNS = int(os.environ.get("STATELAB_SIGINT_RUNS", "3"))
 SEED = int(os.environ.get("STATELAB_SIGINT_SEED", "29"))
 # the interpreter's own start (before any statelab code runs and can install its handler)
 # takes tens of milliseconds, more on a busy machine: the moments begin after it
 EARLIEST = 0.25
-PROMPT = "def add(a, b):"
-TINY_STUDY = """name = "tiny"
-backend = "cpu"
-threads = 1
-n_ctx = 256
-cap = 4
-repeats = 1
-prompts = ["text:def add(a, b):"]
-selectors = ["ALL"]
-directions = ["A->R"]
-
-[arms]
-A = "A"
-R = "R"
-"""
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -165,7 +150,7 @@ def test_sigint_continue_cross_spec(tmp_path, sources):
 def test_sigint_study_run(tmp_path):
     rng = random.Random(SEED + 2)
     spec = tmp_path / "tiny.toml"
-    spec.write_text(TINY_STUDY)
+    spec.write_text(tiny_study())
 
     def after(i, rc):
         _no_temporaries_study(tmp_path / "runs" / str(i))

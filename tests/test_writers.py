@@ -10,30 +10,17 @@ import json
 import os
 import random
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, STATELAB, one_line_error, run_cli
+from tiny_study import PROMPT, tiny_study
 
 RACES = int(os.environ.get("STATELAB_WRITER_RACES", "3"))
 SEED = int(os.environ.get("STATELAB_WRITER_SEED", "4"))
-PROMPT = "def add(a, b):"
-TINY_STUDY = """name = "{name}"
-backend = "cpu"
-threads = 1
-n_ctx = 256
-cap = 4
-repeats = 1
-prompts = ["text:def add(a, b):"]
-selectors = ["ALL"]
-directions = ["A->R"]
-
-[arms]
-A = "A"
-R = "R"
-"""
 
 
 def snapshot(folder: Path) -> dict:
@@ -205,7 +192,7 @@ def test_source_backend_is_one_of_the_backends(tmp_path, cli):
 def study_and_capture(tmp_path_factory):
     d = tmp_path_factory.mktemp("writers")
     spec = d / "tiny.toml"
-    spec.write_text(TINY_STUDY.format(name="tiny"))
+    spec.write_text(tiny_study())
     r = run_cli("study", "run", spec, "--out", d / "study", "--workers", "1", env={"STATELAB_THREADS": "1"})
     assert r.returncode == 0, r.stderr
     r = run_cli("capture", d / "cap", "-p", PROMPT, env={"STATELAB_THREADS": "1"})
@@ -251,3 +238,11 @@ def test_findings_writes_only_its_own_folders(study_and_capture, cli):
     one_line_error(cli("study", "findings", d / "study", "--out", other), "not a findings folder")
     assert sorted(p.name for p in other.iterdir()) == ["mine.txt"]
     assert not [p for p in d.iterdir() if p.name.endswith("lock")]
+
+
+@pytest.mark.model
+def test_benchmark_scripts_report_statelab_errors_in_one_line(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "speculative.py"), str(tmp_path / "none.toml"),
+                        "--no-write"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert [ln for ln in r.stderr.splitlines() if ln.strip()] == [f"error: campaign spec not found: {tmp_path / 'none.toml'}"]

@@ -15,8 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from statelab.errors import script_main  # noqa: E402
 from statelab.analysis.classes import first_difference
+from statelab.errors import script_main
 from statelab.paths import atomic_write_text
 
 
