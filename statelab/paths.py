@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -141,7 +142,23 @@ def output_lock(path: str | os.PathLike, error: Callable[[str], Exception]):
     are the writers' temporaries.)"""
     full = Path(os.path.abspath(path))  # "." and "dir/.." name a folder too
     lock = full.parent / f".{full.name or 'root'}-lock"
-    return exclusive_lock(lock, error, f"output {path}", remove="always")
+    return _output_lock(lock, error, path)
+
+
+@contextmanager
+def _output_lock(lock: Path, error: Callable[[str], Exception], path) -> Iterator[Path]:
+    try:
+        held = exclusive_lock(lock, error, f"output {path}", remove="always")
+        held.__enter__()
+    except OSError as e:  # a folder that cannot be written (missing, read-only, /proc...)
+        raise error(f"cannot write {path}: {e.strerror or e}") from None
+    try:
+        yield lock
+    except BaseException:
+        if not held.__exit__(*sys.exc_info()):
+            raise
+    else:
+        held.__exit__(None, None, None)
 
 
 _RENAME_NOREPLACE = 1
