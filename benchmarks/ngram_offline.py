@@ -11,10 +11,12 @@ rows per call and acceptance over all prompts together.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 
 from statelab import prompts
+from statelab.errors import script_main
 from statelab.experiments.campaign import CampaignSpec
 from statelab.runtime import Model
 from statelab.speculative.drafters import NgramDrafter, parse_ngram
@@ -65,4 +67,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 from _report import machine, update_section
 
+from statelab.errors import script_main
 from statelab.experiments.campaign import CampaignSpec, run_campaign
 from statelab.runtime.layouts import Layout
 from statelab.speculative.drafters import is_ngram
@@ -195,4 +197,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

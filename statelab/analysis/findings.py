@@ -35,7 +35,7 @@ from statelab.analysis.classes import endpoint_key, selector_lattice
 from statelab.errors import ConfigError
 from statelab.experiments.matrix.results import _lattice_masks, load_dataset, load_state
 from statelab.experiments.matrix.store import CellLog, StudyDir
-from statelab.paths import atomic_path, atomic_write_text
+from statelab.paths import atomic_path, atomic_write_text, output_lock
 from statelab.report import figures as fig
 from statelab.report.page import write_file
 from statelab.selection import flat_mask_sha256
@@ -478,7 +478,56 @@ def write(runs_dirs, out) -> tuple[Path, Findings]:
         raise FindingsInputError(f"two folders hold the same study ({', '.join(names)})")
     f = compute(runs)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_out(out, runs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(out, FindingsInputError):  # one writer per findings folder
+        _check_out(out, runs)
+        made = not out.exists()
+        out.mkdir(exist_ok=True)
+        try:
+            atomic_write_text(out / MARKER, json.dumps({"format": MARKER_FORMAT}) + "\n")
+        except BaseException:
+            if made:
+                out.rmdir()
+            raise
+        return _write(out, runs, f), f
+
+
+MARKER = ".statelab-findings"  # marks a findings folder as one: only such a folder (or a new one) is written
+MARKER_FORMAT = "statelab.findings-folder/1"
+
+
+def _check_out(out: Path, runs) -> None:
+    """Refuse an output folder that is not a findings folder: an existing file, a folder
+    holding other things (a capture, a study...) without the findings marker, or one of the
+    study folders read."""
+    if not out.exists():
+        return
+    if not out.is_dir() or out.is_symlink():
+        raise FindingsInputError(f"{out} exists and is not a folder; name a new --out")
+    if any(out.resolve() == r.root.resolve() for r in runs):
+        raise FindingsInputError(f"{out} is one of the study folders read; name a new --out")
+    names = [p.name for p in out.iterdir()]
+    if not names:
+        return
+    if not (_json_of(out / MARKER).get("format") == MARKER_FORMAT
+            or _LEGACY_KEYS <= set(_json_of(out / "findings.json"))):  # written before the marker existed
+        raise FindingsInputError(f"{out} is not a findings folder (it holds other files and no {MARKER}); "
+                                 "name a new or empty --out")
+
+
+_LEGACY_KEYS = {"runs", "natural", "separability", "minimal", "panels"}
+
+
+def _json_of(path: Path) -> dict:
+    try:
+        d = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def _write(out: Path, runs, f) -> Path:
     md = markdown(f)
     figs = figures(f)
     (out / "figures").mkdir(exist_ok=True)
@@ -496,7 +545,7 @@ def write(runs_dirs, out) -> tuple[Path, Findings]:
         if report.is_file():
             atomic_write_text(out / f"{run.name}-report.md", report.read_text())
     atomic_write_text(out / "findings.md", md)
-    return out / "findings.md", f
+    return out / "findings.md"
 
 
 def compact_results(ds: xr.Dataset, path) -> None:

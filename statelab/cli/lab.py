@@ -15,7 +15,7 @@ from rich.table import Table
 
 from statelab.cli.common import (BackendOpt, CapOpt, CtxOpt, HumanEvalOpt, JsonOpt, ModelOpt, PromptFileOpt,
                                  PromptOpt, ThreadsOpt, app, console, load_capture_dir, print_endpoint, prompt_of,
-                                 setup)
+                                 backend_name, setup)
 
 
 @app.command()
@@ -77,7 +77,7 @@ def capture(out: Path = typer.Argument(..., help="output folder (must not exist)
 @app.command("continue")
 def continue_(capture_dir: Path = typer.Argument(..., help="a capture folder"), cap: int = CapOpt,
               model: Optional[Path] = ModelOpt, backend: Optional[str] = typer.Option(
-                  None, "--backend", "-b", help="recipient backend (default: the capture's)"),
+                  None, "--backend", "-b", callback=backend_name, help="recipient backend (default: the capture's)"),
               allow_backend: bool = typer.Option(False, "--allow-backend", help="allow another backend"),
               json_out: bool = JsonOpt):
     """Continue greedily from a capture through the common receiver."""

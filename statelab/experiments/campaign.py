@@ -534,7 +534,7 @@ def run_campaign(spec: CampaignSpec, out: Path, progress=None, budget_s: float |
     block has run."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(out / ".lock", ConfigError, f"campaign folder {out}"):  # one writer: timings never overlap
+    with exclusive_lock(out / ".lock", ConfigError, f"campaign folder {out}", remove="created"):  # one writer: timings never overlap
         return _run_campaign_locked(spec, out, progress, budget_s)
 
 

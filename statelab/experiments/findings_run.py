@@ -268,6 +268,8 @@ def run_findings(out, kind: str, budget_s: float, workers: int = 2, limit: int |
         raise FindingsError(f"unknown findings kind {kind!r}: use {' or '.join(KINDS)}")
     if not budget_s > 0 or workers < 1 or lanes < 1:
         raise FindingsError("the budget must be positive seconds, --workers and --lanes at least 1")
+    if limit is not None and limit < 0:
+        raise FindingsError(f"--limit must be 0 or more targets, got {limit}")
     sdir = StudyDir(out)
     if not sdir.results_path.is_file():
         raise FindingsError(f"{out}: no results.nc; run `statelab study run` (or `study report`) first")
