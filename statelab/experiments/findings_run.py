@@ -220,8 +220,24 @@ def _panel_job(job: dict, env: _Env) -> dict:
     row.pop("panel", None)
     return {**rec, "status": "ok", "components": [n1, n2], "box": box,
             "selected_bytes": {k: v["selected_bytes"] for k, v in pr.imports["P"].items()},
-            **{k: v for k, v in row.items() if k not in rec},
+            **{k: v for k, v in row.items() if k not in rec}, "steps": step_margins(ds),
             "seconds": time.perf_counter() - t0, "pid": os.getpid()}
+
+
+def step_margins(ds) -> dict:
+    """The top-1 condition at every output before the frontier t* (every shared output when the
+    panel has none), from the four arms' full-vocabulary logits: per output, ``eps_inf`` (the
+    largest absolute logit difference between any two arms) and each arm's top-1 minus top-2
+    margin (arms EMPTY, C1, C2, BOTH), so that ``m > 2 eps_inf`` can be checked without the
+    traces.  Outputs where not all four vectors exist are left out (``positions`` says which)."""
+    c = ds.isel(task=0, recipient=0, panel=0, direction=0, repeat=0)
+    ts = int(c["t_star"])
+    end = ts if ts >= 0 else int(c["last_position"]) + 1
+    pos = np.flatnonzero(c["complete"].values[:end])
+    margin = c["margin"].transpose("arm", "position").values[:, pos]
+    return {"before": end, "positions": [int(p) for p in pos],
+            "eps_inf": [float(x) for x in c["eps_inf"].values[pos]],
+            "margin": [[float(x) for x in m] for m in margin]}
 
 
 _JOBS = {"minimal": _minimal_job, "panels": _panel_job}
