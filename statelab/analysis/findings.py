@@ -47,6 +47,7 @@ from statelab.report import figures as fig
 from statelab.report.page import write_file
 from statelab.selection import flat_mask_sha256
 
+WINDOW = 32  # outputs: the window reported beside full endpoints (the earlier studies' cap)
 MAGNITUDES = (("max_abs", "max abs d"), ("l2_rel", "L2 rel"), ("first_differing_layer", "first differing layer"))
 
 
@@ -282,8 +283,10 @@ def natural_pairs(run: RunData) -> list[dict]:
             key = (rep.get(a, a), rep.get(b, b))
             folded = key[0] == key[1] or key in seen
             seen.add(key)
+            ta, tb = arms[a]["natural"]["tokens"], arms[b]["natural"]["tokens"]
             rows.append({"run": run.name, "task": p["id"], "pair": f"{a}/{b}",
                          "endpoint_same": endpoint_key(arms[a]["natural"]) == endpoint_key(arms[b]["natural"]),
+                         "window_same": list(ta[:WINDOW]) == list(tb[:WINDOW]),
                          "state_same": arms[a]["kv"] == arms[b]["kv"], "n_prompt": c.get("n_prompt"),
                          "folded": folded})
     return rows
@@ -301,7 +304,9 @@ def divergence_table(rows: list[dict]) -> list[dict]:
     for (run, pair), g in _by_run_pair([r for r in rows if not r.get("folded")]):
         same = np.array([r["endpoint_same"] for r in g])
         state = np.array([r["state_same"] for r in g])
+        win = np.array([r.get("window_same", r["endpoint_same"]) for r in g])
         out.append({"run": run, "pair": pair, "inputs": len(g), "diverging": int((~same).sum()),
+                    "diverging_window": int((~win).sum()),
                     "unequal_states": int((~state).sum()),
                     "agree_unequal_states": int((same & ~state).sum()),
                     "diverge_equal_states": int((~same & state).sum()),
@@ -635,8 +640,9 @@ class Findings:
     def as_dict(self, out=None) -> dict:
         """Everything as JSON; run folders relative to ``out`` (the folder the tables go to),
         never a machine-local absolute path."""
-        def where(root: Path) -> str:
-            return Path(os.path.relpath(Path(root).resolve(), Path(out).resolve())).as_posix() if out else root.name
+        def where(root: Path) -> str:  # relative to the tables when inside their folder, else its name
+            r, o = Path(root).resolve(), Path(out).resolve() if out else None
+            return Path(os.path.relpath(r, o)).as_posix() if o is not None and o in r.parents else r.name
 
         return {"runs": [{"name": r.name, "folder": where(r.root), "spec_hash": r.spec["spec_hash"],
                           "backend": r.backend, "arms": r.arms} for r in self.runs],
@@ -699,9 +705,12 @@ def markdown(f: Findings) -> str:
     out.append("\n## 1. Natural endpoints per arm pair\n")
     out.append("Inputs whose natural endpoints (greedy, within the cap) differ, out of all inputs with controls "
                "(independent arm pairs only).\n")
+    caps = ", ".join(sorted({str(run.spec["normalized"]["cap"]) for run in f.runs}))
+    out.append(f"Full endpoints: EOS or the cap ({caps} outputs); beside them, the first {WINDOW} outputs only.\n")
     out.append(md_table([("run", "run"), ("pair", "arm pair"), ("inputs", "inputs"), ("diverging", "diverging"),
-                         ("share", "share")],
-                        [{**r, "share": _share(r["diverging"], r["inputs"])} for r in f.divergence]))
+                         ("share", "share"), ("win", f"diverging within {WINDOW} outputs")],
+                        [{**r, "share": _share(r["diverging"], r["inputs"]),
+                          "win": _share(r["diverging_window"], r["inputs"])} for r in f.divergence]))
     out.append("\n## 2. Endpoint agreement without state equality\n")
     out.append("Among inputs whose two natural KV states differ (sha256 of the K/V payload), how many still "
                "reach the same natural endpoint; and inputs with equal states whose endpoints differ (must be 0).\n")
