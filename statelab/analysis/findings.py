@@ -140,8 +140,9 @@ def arm_folds(run: RunData) -> dict[str, dict[str, str]]:
         for a in run.arms:
             if a not in arms:
                 continue
-            rep[a] = next((b for b in rep if rep[b] == b and arms[b]["kv"] == arms[a]["kv"]
-                           and arms[b]["logits"] == arms[a]["logits"]), a)
+            known = arms[a].get("kv") and arms[a].get("logits")  # both hashes recorded, else nothing is proven
+            rep[a] = next((b for b in rep if known and rep[b] == b and arms[b].get("kv") == arms[a]["kv"]
+                           and arms[b].get("logits") == arms[a]["logits"]), a)
         out[t] = rep
     return out
 
@@ -364,7 +365,10 @@ def separability_rows(run: RunData) -> list[dict]:
             if q["kv_identical"] or pair in seen:  # equal states, or a pair folded into one already counted
                 continue
             seen.add(pair)
-            rows.append({"run": run.name, "task": p["id"], "pair": key, "diverges": not q["natural_same"],
+            nat = [c["arms"][a]["natural"]["tokens"][:WINDOW] for a in (q["reference"], q["other"])]
+            window = {"diverges_window": list(nat[0]) != list(nat[1])} if int(run.spec["normalized"]["cap"]) > WINDOW \
+                else {}
+            rows.append({"run": run.name, "task": p["id"], "pair": key, "diverges": not q["natural_same"], **window,
                          "max_abs": float(q["max_abs"]), "l2_rel": float(q["l2_rel"]),
                          "first_differing_layer": float(q["first_differing_layer"]),
                          "natural_first_diff": q["natural_first_diff"]})
@@ -374,12 +378,17 @@ def separability_rows(run: RunData) -> list[dict]:
 def separability_table(rows: list[dict]) -> list[dict]:
     out = []
     for (run, pair), g in _by_run_pair(rows):
-        y = [r["diverges"] for r in g]
-        for var, label in MAGNITUDES:
-            res = best_threshold([r[var] for r in g], y)
-            verdict = ("undecided (one label only)" if not res["both_labels"]
-                       else "separable" if res["separable"] else "not separable")
-            out.append({"run": run, "pair": pair, "magnitude": label, **res, "verdict": verdict})
+        # labels of the full endpoints; where the cap is longer than the window, also those of
+        # the first WINDOW outputs (reported beside, as "pair (32)")
+        for suffix, key in (("", "diverges"), (f" ({WINDOW})", "diverges_window")):
+            if key not in g[0]:
+                continue
+            y = [r[key] for r in g]
+            for var, label in MAGNITUDES:
+                res = best_threshold([r[var] for r in g], y)
+                verdict = ("undecided (one label only)" if not res["both_labels"]
+                           else "separable" if res["separable"] else "not separable")
+                out.append({"run": run, "pair": pair + suffix, "magnitude": label, **res, "verdict": verdict})
     return out
 
 
