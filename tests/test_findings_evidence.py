@@ -89,3 +89,49 @@ def test_committed_tables_regenerate_from_the_committed_records(tmp_path):
     F.write([run], tmp_path / "cuda")
     for name in ("findings.md", "findings.json", "contrasts.md"):
         assert (tmp_path / "cuda" / name).read_bytes() == (KEPT / name).read_bytes(), name
+
+
+def test_paper_sweep_has_nineteen_distinct_schedules_and_refuses_short_prompts():
+    from statelab.errors import ConfigError
+    from statelab.lab.formation import paper_sweep
+
+    s = paper_sweep(160)
+    assert len(s) == 19 and len({x.name for x in s}) == 19
+    assert [x.name for x in s[:4]] == ["A", "B", "C", "R"] and "159+1" in {x.name for x in s}
+    subs = {x.name: tuple(x.submissions(160)) for x in s}
+    assert len(set(subs.values()) | {(x.n_ubatch,) for x in s}) > 1 and subs["129+rest"] == (129, 31)
+    with pytest.raises(ConfigError, match="more than 130 tokens"):
+        paper_sweep(130)
+
+
+def test_sweep_table_classes_and_denominators():
+    from statelab.experiments.partition import sweep_table
+
+    def res(prompt, states, ends, diffs):
+        rows = [{"schedule": n, "n_prompt": 140, "first_diff": d, "length": 32} for n, d in zip("ABCR", diffs)]
+        return {"prompt": prompt, "rows": rows, "state_classes": states, "endpoint_classes": ends}
+
+    r1 = res("p1", [["A", "B", "C"], ["R"]], [["A", "B", "C", "R"]], [None, None, None, None])
+    r2 = res("p2", [["A"], ["B", "C"], ["R"]], [["A", "R"], ["B", "C"]], [None, 7, 7, None])
+    md = sweep_table([r1, r2])
+    assert "| p1 | 140 | 2 | 1 | 0/0 (=) | 0/0 (=) | 0/0 (=) | 1/0 (=) |" in md
+    assert "| p2 | 140 | 3 | 2 | 0/0 (=) | 1/1 (7) | 1/1 (7) | 2/0 (=) |" in md
+    assert "more than one state class: 2 / 2" in md and "more than one endpoint class: 1 / 2" in md
+    assert "Of the 6 (prompt, schedule other than A) pairs: 2 form another state than A and keep its endpoint" in md
+
+
+def test_panel_repeats_are_their_own_targets_and_compared_not_counted():
+    from statelab.experiments.findings_run import FindingsError, run_findings, target_key
+
+    t = {"task": "T", "selector": "L3", "direction": "A->B"}
+    assert target_key(t) == "T|L3|A->B" and target_key(t, 1) == "T|L3|A->B|r1"
+    with pytest.raises(FindingsError, match="--repeats is for panels"):
+        run_findings("nowhere", "minimal", 10, repeats=2)
+    base = {"status": "ok", "task": "T", "direction": "A->B", "t_star": 3, "tokens": [1, 2, 2, 1],
+            "scores": [0.5, 0.25, 0.125, 1.0], "interaction": 0.125, "token_a": 1, "token_b": 2}
+    panels = [{**base, "selector": "L3", "repeat": 0}, {**base, "selector": "L3", "repeat": 1},
+              {**base, "selector": "L4", "repeat": 0}, {**base, "selector": "L4", "repeat": 1, "scores": [0.5] * 4}]
+    run = _run({"A": ("a", "x"), "B": ("b", "y")}, ["A->B"])
+    run.panels = panels
+    assert F.repeat_agreement([run]) == {"compared": 2, "agree": 1}
+    assert len(F.independent_records(run, panels)) == 2  # the second repeat is compared, not counted

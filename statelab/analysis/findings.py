@@ -472,8 +472,28 @@ def class_b_count(run: RunData, folded: bool = False) -> int:
 
 
 def independent_records(run: RunData, recs: list[dict]) -> list[dict]:
+    """Records of independent directions, first process repeat (later panel repeats are
+    compared with it in :func:`repeat_agreement`, not counted again)."""
     dfolds = direction_folds(run)
-    return [r for r in recs if independent(run, r["task"], r["direction"], dfolds)]
+    return [r for r in recs if independent(run, r["task"], r["direction"], dfolds) and r.get("repeat", 0) == 0]
+
+
+def repeat_agreement(runs: list[RunData]) -> dict:
+    """Repeat-level frontier contrasts: panels of independent directions recorded by a second
+    process repeat, and how many equal the first repeat bit for bit (t*, tokens, pair, scores)."""
+    n = same = 0
+    for run in runs:
+        dfolds = direction_folds(run)
+        first = {(r["task"], r["selector"], r["direction"]): r for r in run.panels
+                 if r.get("status") == "ok" and r.get("repeat", 0) == 0}
+        for r in run.panels:
+            k = (r["task"], r["selector"], r["direction"])
+            if r.get("status") != "ok" or r.get("repeat", 0) == 0 or k not in first \
+                    or not independent(run, r["task"], r["direction"], dfolds):
+                continue
+            n += 1
+            same += all(r.get(f) == first[k].get(f) for f in _PANEL_FIELDS)
+    return {"compared": n, "agree": same}
 
 
 def minimal_summary(runs: list[RunData]) -> dict:
@@ -559,7 +579,7 @@ def panel_summary(runs: list[RunData], tol: float = 0.0) -> dict:
             "median_abs_interaction": float(np.median(np.abs(inter))) if inter.size else None,
             "median_abs_interaction_active": float(np.median(np.abs(inter[act]))) if act.any() else None,
             "median_t_star": float(np.median([r["t_star"] for r in with_f])) if with_f else None,
-            "margin": margin_summary(with_f)}
+            "margin": margin_summary(with_f), "repeats": repeat_agreement(runs)}
 
 
 _PANEL_FIELDS = ("t_star", "tokens", "scores", "interaction", "token_a", "token_b")
@@ -569,7 +589,8 @@ def folded_panels_equal(run: RunData) -> tuple[int, int]:
     """Panels of folded directions that have their representative's panel: (how many, how
     many equal it in t*, tokens, pair and scores bit for bit)."""
     dfolds = direction_folds(run)
-    by = {(r["task"], r["selector"], r["direction"]): r for r in run.panels if r.get("status") == "ok"}
+    by = {(r["task"], r["selector"], r["direction"]): r for r in run.panels
+          if r.get("status") == "ok" and r.get("repeat", 0) == 0}
     n = same = 0
     for (t, sel, d), r in by.items():
         rep = dfolds.get(t, {}).get(d, d)
@@ -816,6 +837,11 @@ def markdown(f: Findings) -> str:
                    f"panels (median |I| there {_fmt(p['median_abs_interaction_active'])}); over all panels, "
                    f"{_share(p['nonzero_interaction'], p['with_frontier'])}. Median t* {p['median_t_star']:.0f}. "
                    f"Every panel with its canonical contrast: `contrasts.md`.\n")
+    rp = p.get("repeats", {"compared": 0})
+    out.append(f"\nRepeat-level contrasts (each panel again in another process, `study findings-run --kind panels "
+               f"--repeats 2`): " + (f"{rp['compared']} panels have a second repeat; it equals the first in t*, tokens, "
+                                     f"pair and scores bit for bit in {_share(rp['agree'], rp['compared'])}.\n"
+                                     if rp["compared"] else "none recorded (one process repeat per panel).\n"))
     mg = p["margin"]
     out.append("\n### The sufficient top-1 condition before the frontier\n")
     out.append(f"At t* the four arms choose different tokens, so the condition (every arm's top-1 minus top-2 logit "

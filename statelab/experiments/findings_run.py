@@ -82,8 +82,9 @@ def _is_layer(name: str) -> bool:
     return len(name) >= 3 and name[0] == "L" and name[1:3].isdigit() and not name.startswith("L0_") and name != "L0"
 
 
-def target_key(t: dict) -> str:
-    return f"{t['task']}|{t['selector']}|{t['direction']}"
+def target_key(t: dict, repeat: int = 0) -> str:
+    """A target's log key; a panel's process repeat r > 0 is its own target (``...|r1``)."""
+    return f"{t['task']}|{t['selector']}|{t['direction']}" + (f"|r{repeat}" if repeat else "")
 
 
 def mask_box(selection, state) -> dict | None:
@@ -202,7 +203,7 @@ def _panel_job(job: dict, env: _Env) -> dict:
     model = env.model
     donor, recip = env.cache.capture(job["donor_capture"]), env.cache.capture(job["recipient_capture"])
     sel, box, boxed = _cell_selection(job, env)
-    rec = {k: job[k] for k in ("key", "task", "selector", "direction", "spec_hash")}
+    rec = {k: job[k] for k in ("key", "task", "selector", "direction", "spec_hash")} | {"repeat": job.get("repeat", 0)}
     if box is None or not boxed.equals(sel):
         return {**rec, "status": "skipped", "reason": "the selection is not one box of layers x component x positions"}
     comps = panel_components(box)
@@ -274,16 +275,20 @@ JOB = Unit("statelab.experiments.findings_run:run_job", failed_job,
 
 
 def run_findings(out, kind: str, budget_s: float, workers: int = 2, limit: int | None = None,
-                 progress=None, lanes: int = 1) -> dict:
+                 progress=None, lanes: int = 1, repeats: int = 1) -> dict:
     """Run ``kind`` (minimal | panels) for the class-B cells of the study folder ``out``
     within ``budget_s`` seconds of wall time (no new target starts after it); resumes.
     ``lanes`` L > 1: ``workers`` batch processes, each loading the model once and running L
     targets at once on threads, each lane in its own contexts (the GPU shape, as the study's
-    ``--lanes``); otherwise one forked process per target, ``workers`` at a time."""
+    ``--lanes``); otherwise one forked process per target, ``workers`` at a time.  ``repeats``
+    (panels only): every panel again in other processes, repeat r in batch processes of its own
+    (log key ``...|rR``), for repeat-level contrasts."""
     if kind not in KINDS:
         raise FindingsError(f"unknown findings kind {kind!r}: use {' or '.join(KINDS)}")
-    if not budget_s > 0 or workers < 1 or lanes < 1:
-        raise FindingsError("the budget must be positive seconds, --workers and --lanes at least 1")
+    if not budget_s > 0 or workers < 1 or lanes < 1 or repeats < 1:
+        raise FindingsError("the budget must be positive seconds, --workers, --lanes and --repeats at least 1")
+    if repeats > 1 and kind != "panels":
+        raise FindingsError("--repeats is for panels (a minimal search is one process's answer)")
     sdir = StudyDir(out)
     if not sdir.results_path.is_file():
         raise FindingsError(f"{out}: no results.nc; run `statelab study run` (or `study report`) first")
@@ -300,17 +305,18 @@ def run_findings(out, kind: str, budget_s: float, workers: int = 2, limit: int |
         done = {r["key"] for r in log.records() if r.get("spec_hash") == spec["spec_hash"]
                 and r.get("status") in ("ok", "skipped")}
         jobs = []
-        for t in targets:
-            task = by_cell.get((t["task"], t["selector"], t["direction"]))
-            if task is None or target_key(t) in done:
-                continue
-            jobs.append({**{k: task[k] for k in ("donor_capture", "recipient_capture", "natural_donor",
-                                                 "natural_recipient", "selector_source", "selector_dirs",
-                                                 "recipient", "spec_hash")},
-                         "cap": int(task["cap"]), "key": target_key(t), **t})
+        for r in range(repeats):  # every target's repeat 0 first, then repeat 1, ...
+            for t in targets:
+                task = by_cell.get((t["task"], t["selector"], t["direction"]))
+                if task is None or target_key(t, r) in done:
+                    continue
+                jobs.append({**{k: task[k] for k in ("donor_capture", "recipient_capture", "natural_donor",
+                                                     "natural_recipient", "selector_source", "selector_dirs",
+                                                     "recipient", "spec_hash")},
+                             "cap": int(task["cap"]), "key": target_key(t, r), "repeat": r, **t})
         if limit is not None:
             jobs = jobs[:limit]
-        counts = {"targets": len(targets), "done_before": len(done), "ran": 0, "ok": 0, "skipped": 0, "failed": 0}
+        counts = {"targets": len(targets) * repeats, "done_before": len(done), "ran": 0, "ok": 0, "skipped": 0, "failed": 0}
         deadline = t0 + budget_s
         norm = spec["normalized"]
         process = {"kind": kind, "model_path": spec["model_path"], "backend": norm["backend"],
@@ -327,7 +333,8 @@ def run_findings(out, kind: str, budget_s: float, workers: int = 2, limit: int |
 
         if jobs and lanes > 1:
             wall_deadline = time.time() + (deadline - time.perf_counter())
-            execute([{**j, **process, "group": i % workers,
+            # a repeat's targets run in batch processes of their own: repeats never share a process
+            execute([{**j, **process, "group": j["repeat"] * workers + i % workers,
                       "deadline": wall_deadline if i else None} for i, j in enumerate(jobs)],
                     JOB, "batch", workers, on_result, error=FindingsError, lanes=lanes)
         elif jobs:
