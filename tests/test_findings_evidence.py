@@ -97,9 +97,9 @@ def test_paper_sweep_has_nineteen_distinct_schedules_and_refuses_short_prompts()
 
     s = paper_sweep(160)
     assert len(s) == 19 and len({x.name for x in s}) == 19
-    assert [x.name for x in s[:4]] == ["A", "B", "C", "R"] and "159+1" in {x.name for x in s}
+    assert [x.name for x in s[:4]] == ["A", "B", "C", "R"] and "(n-1)+1" in {x.name for x in s}
     subs = {x.name: tuple(x.submissions(160)) for x in s}
-    assert len(set(subs.values()) | {(x.n_ubatch,) for x in s}) > 1 and subs["129+rest"] == (129, 31)
+    assert len(set(subs.values()) | {(x.n_ubatch,) for x in s}) > 1 and subs["129+rest"] == (129, 31) and subs["(n-1)+1"] == (159, 1)
     with pytest.raises(ConfigError, match="more than 130 tokens"):
         paper_sweep(130)
 

@@ -85,6 +85,8 @@ def jsonl(path: Path) -> list[dict]:
         text = gzip.decompress(gz.read_bytes()).decode()
     else:
         return []
+    if text and not text.endswith("\n"):  # a line a killed writer left unfinished is not a record
+        text = text[:text.rfind("\n") + 1]
     try:
         return [json.loads(ln) for ln in text.splitlines() if ln.strip()]
     except ValueError:

@@ -49,11 +49,11 @@ def sweep(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEva
             task = prog.add_task("schedules", total=sum(len(v) for v in scheds.values()))
             for p in ps:
                 results.append(run_sweep(m, p, scheds[p.id], base, cap, progress=lambda: prog.advance(task)))
+        if json_out:  # the runs first: a table that cannot be drawn loses nothing
+            atomic_write_text(json_out, json.dumps(results, indent=2))
         table = (f"Partition sweep, {len(ps)} prompts x {len(next(iter(scheds.values())))} schedules, cap {cap}, "
                  f"{backend}\n\n" + sweep_table(results))
         console.print(table, markup=False)
-        if json_out:
-            atomic_write_text(json_out, json.dumps(results, indent=2))
         if md_out:
             atomic_write_text(md_out, table)
         return

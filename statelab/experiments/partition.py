@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from statelab.analysis.classes import endpoint_class, first_difference, kv_profile_dataset, trajectory_classes
 from statelab.analysis.frontier import _top_two
+from statelab.errors import ConfigError
 from statelab.kvstate import compare
 from statelab.lab.formation import PRESETS, Schedule, paper_sweep, parse_schedule, partition_sweep, prefill
 from statelab.lab.intervene import config_of, cross, natural, sham
@@ -138,14 +139,17 @@ def sweep_table(results: list[dict]) -> str:
     lines = [head, "|" + "---|" * (4 + len(names))]
     same_state_other_end = other_state_same_end = 0
     for r in results:
-        first = names[0]
-        st = {n: index(r["state_classes"], n) - index(r["state_classes"], first) for n in names}
-        en = {n: index(r["endpoint_classes"], n) - index(r["endpoint_classes"], first) for n in names}
+        own = [x["schedule"] for x in r["rows"]]
+        if len(own) != len(names):
+            raise ConfigError(f"{r['prompt']}: {len(own)} schedules, not the {len(names)} of {results[0]['prompt']}")
+        first = own[0]
+        st = {n: index(r["state_classes"], n) - index(r["state_classes"], first) for n in own}
+        en = {n: index(r["endpoint_classes"], n) - index(r["endpoint_classes"], first) for n in own}
         cells = []
         for row in r["rows"]:
             n = row["schedule"]
-            s_cls = sorted({index(r["state_classes"], x) for x in names}).index(index(r["state_classes"], n))
-            e_cls = sorted({index(r["endpoint_classes"], x) for x in names}).index(index(r["endpoint_classes"], n))
+            s_cls = sorted({index(r["state_classes"], x) for x in own}).index(index(r["state_classes"], n))
+            e_cls = sorted({index(r["endpoint_classes"], x) for x in own}).index(index(r["endpoint_classes"], n))
             fd = "=" if row["first_diff"] is None else str(row["first_diff"])
             cells.append(f"{s_cls}/{e_cls} ({fd})")
             same_state_other_end += int(st[n] == 0 and en[n] != 0)
