@@ -187,23 +187,27 @@ def fold_rows(run: RunData) -> list[dict]:
 
 
 def folded_agreement(run: RunData) -> dict:
-    """Cells of folded directions against their representative's: (cells compared, equal class
-    in every repeat)."""
+    """Cells of folded directions against their representative's: (coordinates compared, equal
+    class in every repeat), and the coordinates of directions whose donor and recipient fold
+    into one arm (``self``: a state crossed into itself, not evidence of anything)."""
     dfolds = direction_folds(run)
     k = run.ds["klass"].transpose("task", "selector", "direction", "repeat")
     dirs = [str(d) for d in k.direction.values]
     v = k.values.astype(str)
-    n = same = 0
+    n = same = own = 0
     for it, t in enumerate(k.task.values):
         for jd, d in enumerate(dirs):
             r = dfolds.get(str(t), {}).get(d, d)
-            if r is None or r == d:
+            if r is None:
+                own += int(v.shape[1])
+                continue
+            if r == d:
                 continue
             a, b = v[it, :, jd, :], v[it, :, dirs.index(r), :]
             ok = (a != "") & (b != "")
             n += int(ok.all(axis=-1).sum())
             same += int(((a == b) & ok).all(axis=-1).sum())
-    return {"cells": n, "same_class": same}
+    return {"cells": n, "same_class": same, "self": own}
 
 
 # ---------------------------------------------------------------------- masks without captures
@@ -700,7 +704,7 @@ def compute(runs: list[RunData]) -> Findings:
     return Findings(runs, divergence_table(natural), natural, separability_table(sep_in), sep_in, pairs, dens,
                     minimal_summary(runs), panel_summary(runs), same,
                     [row for run in runs for row in fold_rows(run)],
-                    {"cells": sum(x["cells"] for x in folded), "same_class": sum(x["same_class"] for x in folded)},
+                    {k: sum(x[k] for x in folded) for k in ("cells", "same_class", "self")},
                     contrast_rows(runs))
 
 
@@ -728,9 +732,10 @@ def markdown(f: Findings) -> str:
         out.append(md_table([("run", "run"), ("arm", "arm"), ("into", "folded into"), ("n", "inputs"),
                              ("why", "why")], [{**r, "n": f"{r['tasks']} / {r['of']}"} for r in f.folds]))
         fc = f.folded_cells
-        out.append(f"\nCells of folded directions left out: {fc['cells']} (task, selector, direction) coordinates; "
-                   f"their repeat-agreeing class equals that of the direction they repeat at "
-                   f"{_share(fc['same_class'], fc['cells'])}.\n")
+        out.append(f"\nCells of folded directions left out: {fc['cells']} (task, selector, direction) coordinates "
+                   f"repeat a counted direction, and their repeat-agreeing class equals that of the direction they "
+                   f"repeat at {_share(fc['same_class'], fc['cells'])}; {fc['self']} coordinates cross a state into "
+                   f"itself (donor and recipient fold into one arm).\n")
     else:
         out.append("No arm was folded: on every input the arms' natural captures differ in K/V payload or "
                    "initial logits, so every arm pair and direction is counted.\n")

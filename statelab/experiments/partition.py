@@ -145,11 +145,14 @@ def sweep_table(results: list[dict]) -> str:
         first = own[0]
         st = {n: index(r["state_classes"], n) - index(r["state_classes"], first) for n in own}
         en = {n: index(r["endpoint_classes"], n) - index(r["endpoint_classes"], first) for n in own}
+        # class labels in order of first appearance along the schedules: the first schedule's is 0
+        s_ord = list(dict.fromkeys(index(r["state_classes"], x) for x in own))
+        e_ord = list(dict.fromkeys(index(r["endpoint_classes"], x) for x in own))
         cells = []
         for row in r["rows"]:
             n = row["schedule"]
-            s_cls = sorted({index(r["state_classes"], x) for x in own}).index(index(r["state_classes"], n))
-            e_cls = sorted({index(r["endpoint_classes"], x) for x in own}).index(index(r["endpoint_classes"], n))
+            s_cls = s_ord.index(index(r["state_classes"], n))
+            e_cls = e_ord.index(index(r["endpoint_classes"], n))
             fd = "=" if row["first_diff"] is None else str(row["first_diff"])
             cells.append(f"{s_cls}/{e_cls} ({fd})")
             same_state_other_end += int(st[n] == 0 and en[n] != 0)
@@ -161,7 +164,7 @@ def sweep_table(results: list[dict]) -> str:
     multi_e = sum(1 for r in results if len(r["endpoint_classes"]) > 1)
     caps = sorted({x["length"] for r in results for x in r["rows"]})
     return ("\n".join(lines) + "\n\n"
-            f"Cells: state class / endpoint class (0 = the class of {names[0]}, then in order of first member) and, "
+            f"Cells: state class / endpoint class (0 = the class of {names[0]}, then numbered along the schedules) and, "
             f"in brackets, the first output that differs from {names[0]}'s endpoint (= none). Prompts with more than "
             f"one state class: {multi_s} / {len(results)}; with more than one endpoint class: {multi_e} / "
             f"{len(results)}. Of the {n} (prompt, schedule other than {names[0]}) pairs: {other_state_same_end} form "
