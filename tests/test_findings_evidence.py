@@ -135,3 +135,16 @@ def test_panel_repeats_are_their_own_targets_and_compared_not_counted():
     run.panels = panels
     assert F.repeat_agreement([run]) == {"compared": 2, "agree": 1}
     assert len(F.independent_records(run, panels)) == 2  # the second repeat is compared, not counted
+
+
+def test_skeleton_state_geometry_is_checked():
+    """A kept run folder has no captures: the skeleton's geometry comes from the recorded
+    total value bytes, and a total that does not fit is refused in one line."""
+    st = F.skeleton_state(160, 30, 3_686_400)  # SmolLM2: 30 layers, 192-wide F16 K and V rows
+    assert st.k[0].shape == (160, 192) and st.v[0].shape == (192, 160) and st.v_trans
+    from statelab.selection import Selector, Term, select
+
+    sel = select(Selector("L3K", (Term(component="K", layers=(3,)),)), st)
+    assert sel.selected_bytes == 160 * 192 * 2 and sel.total_bytes == 3_686_400
+    with pytest.raises(F.FindingsInputError, match="do not fit"):
+        F.skeleton_state(160, 30, 3_686_401)
