@@ -43,7 +43,7 @@ def test_panel_classes_and_margin_accounting():
                      "margin": [[1.0, 1.0, 0.3], [1.0, 1.0, 0.9], [1.0, 2.0, 0.5], [1.0, 0.4, 0.21]]}}
     full = {"steps": {"before": 1, "positions": [0], "eps_inf": [0.0], "margin": [[1.0], [1.0], [1.0], [1.0]]}}
     m = F.margin_summary([rec, full, {"scores": [0, 0, 0, 0]}])
-    assert (m["panels"], m["panels_with_steps"], m["panels_all_steps_recorded"]) == (3, 2, 2)
+    assert (m["panels"], m["panels_with_steps"], m["panels_all_steps_recorded"], m["panels_with_a_step"]) == (3, 2, 2, 2)
     assert (m["steps"], m["steps_holding"], m["panels_holding_everywhere"]) == (4, 3, 1)
     assert (m["steps_from_1"], m["steps_from_1_holding"], m["panels_from_1"]) == (2, 1, 1)
     assert m["panels_holding_everywhere_from_1"] == 0

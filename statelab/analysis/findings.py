@@ -538,12 +538,13 @@ def margin_summary(recs: list[dict]) -> dict:
     recorded output before t*: steps and panels where it holds; output 0 separately (every arm
     starts from the recipient's initial logits there, so eps_inf = 0 there by construction)."""
     with_steps = [r for r in recs if "steps" in r]
-    steps = steps1 = holds = holds1 = panels_all = panels_all1 = complete = 0
+    steps = steps1 = holds = holds1 = panels_all = panels_all1 = complete = nonempty = 0
     for r in with_steps:
         st = r["steps"]
         pos = np.asarray(st["positions"], dtype=np.int64)
-        if pos.size == 0:
+        if pos.size == 0:  # t* = 0: no output before the frontier
             continue
+        nonempty += 1
         complete += int(pos.size == st["before"])
         h = np.all(np.asarray(st["margin"], dtype=np.float64) > 2.0 * np.asarray(st["eps_inf"])[None, :], axis=0)
         steps += int(pos.size)
@@ -553,7 +554,7 @@ def margin_summary(recs: list[dict]) -> dict:
         steps1 += int(later.sum())
         holds1 += int(h[later].sum())
         panels_all1 += int(h[later].all()) if later.any() else 0
-    return {"panels": len(recs), "panels_with_steps": len(with_steps),
+    return {"panels": len(recs), "panels_with_steps": len(with_steps), "panels_with_a_step": nonempty,
             "panels_all_steps_recorded": complete, "steps": steps, "steps_holding": holds,
             "panels_holding_everywhere": panels_all, "steps_from_1": steps1, "steps_from_1_holding": holds1,
             "panels_from_1": sum(1 for r in with_steps if any(p >= 1 for p in r["steps"]["positions"])),
@@ -859,12 +860,13 @@ def markdown(f: Findings) -> str:
         out.append(md_table([("what", "outputs before t*"), ("steps", "steps where m > 2 eps_inf in every arm"),
                              ("panels", "panels where it holds at every such step")], [
             {"what": "0 .. t*-1", "steps": _share(mg["steps_holding"], mg["steps"]),
-             "panels": _share(mg["panels_holding_everywhere"], mg["panels_with_steps"])},
+             "panels": _share(mg["panels_holding_everywhere"], mg["panels_with_a_step"])},
             {"what": "1 .. t*-1 (output 0: all arms share the recipient's initial logits, eps_inf = 0)",
              "steps": _share(mg["steps_from_1_holding"], mg["steps_from_1"]),
              "panels": _share(mg["panels_holding_everywhere_from_1"], mg["panels_from_1"])}]))
         out.append(f"\nPanels that record the per-output margins: {_share(mg['panels_with_steps'], mg['panels'])}; "
-                   f"with all four vectors at every output before t*: {mg['panels_all_steps_recorded']}.\n")
+                   f"with an output before t* (t* > 0): {mg['panels_with_a_step']}; with all four vectors at every "
+                   f"output before t*: {mg['panels_all_steps_recorded']}.\n")
     else:
         out.append(f"Not measured: none of the {mg['panels']} panel records holds the per-output margins and eps_inf "
                    f"before t* (they were recorded at t* only; `study findings-run --kind panels` now records them "
