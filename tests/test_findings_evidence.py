@@ -12,7 +12,6 @@ import pytest
 from statelab.analysis import findings as F
 
 REPO = Path(__file__).resolve().parents[1]
-KEPT = REPO / "docs" / "findings" / "cuda"
 
 
 def _run(arm_hashes: dict, directions: list[str]):
@@ -78,17 +77,17 @@ def test_step_margins_are_those_of_the_full_logits(model, he, base_config):
     assert st["eps_inf"][0] == 0.0  # output 0: every arm starts from the recipient's initial logits
 
 
-@pytest.mark.slow
-def test_committed_tables_regenerate_from_the_committed_records(tmp_path):
-    """docs/findings/cuda: findings.md, findings.json and contrasts.md again, byte for byte,
-    from docs/findings/cuda/run alone (no captures, no results.nc, no model)."""
-    run = tmp_path / "cuda" / "run"
+@pytest.mark.parametrize("kept", [pytest.param("cuda", marks=pytest.mark.slow), "cpu-paper-check"])
+def test_committed_tables_regenerate_from_the_committed_records(tmp_path, kept):
+    """docs/findings/KEPT: findings.md, findings.json and contrasts.md again, byte for byte,
+    from docs/findings/KEPT/run alone (no captures, no results.nc, no model)."""
     import shutil
 
-    shutil.copytree(KEPT / "run", run)
-    F.write([run], tmp_path / "cuda")
+    src = REPO / "docs" / "findings" / kept
+    shutil.copytree(src / "run", tmp_path / kept / "run")
+    F.write([tmp_path / kept / "run"], tmp_path / kept)
     for name in ("findings.md", "findings.json", "contrasts.md"):
-        assert (tmp_path / "cuda" / name).read_bytes() == (KEPT / name).read_bytes(), name
+        assert (tmp_path / kept / name).read_bytes() == (src / name).read_bytes(), name
 
 
 def test_paper_sweep_has_nineteen_distinct_schedules_and_refuses_short_prompts():
