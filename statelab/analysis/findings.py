@@ -830,10 +830,10 @@ def markdown(f: Findings) -> str:
                f"{p['folded']} of them belong to folded directions and {p['folded_equal']} of those equal the panel "
                f"they repeat in t*, tokens, pair and scores bit for bit). With a frontier t*: {p['with_frontier']}.\n")
     if p["with_frontier"]:
-        out.append(f"Panels are **active** when both components move the score at t* (s(C1) and s(C2) both differ "
-                   f"from s(EMPTY)) and **degenerate** when one component leaves it bit for bit at its EMPTY value "
-                   f"(then I = s(BOTH) - s(other component), zero whenever BOTH scores as that component alone: "
-                   f"I = 0 there says nothing about interaction).\n")
+        out.append("Panels are **active** when both components move the score at t* (s(C1) and s(C2) both differ "
+                   "from s(EMPTY)) and **degenerate** when one component leaves it bit for bit at its EMPTY value "
+                   "(then I = s(BOTH) - s(other component), zero whenever BOTH scores as that component alone: "
+                   "I = 0 there says nothing about interaction).\n")
         out.append(md_table([("k", "panels"), ("n", "with a frontier"), ("nz", "I != 0 at t*"), ("z", "I = 0 at t*")], [
             {"k": "active", "n": p["active"], "nz": _share(p["active_nonzero"], p["active"]),
              "z": p["active"] - p["active_nonzero"]},
@@ -846,8 +846,8 @@ def markdown(f: Findings) -> str:
                    f"{_share(p['nonzero_interaction'], p['with_frontier'])}. Median t* {p['median_t_star']:.0f}. "
                    f"Every panel with its canonical contrast: `contrasts.md`.\n")
     rp = p.get("repeats", {"compared": 0})
-    out.append(f"\nRepeat-level contrasts (each panel again in another process, `study findings-run --kind panels "
-               f"--repeats 2`): " + (f"{rp['compared']} panels have a second repeat; it equals the first in t*, tokens, "
+    out.append("\nRepeat-level contrasts (each panel again in another process, `study findings-run --kind panels "
+               "--repeats 2`): " + (f"{rp['compared']} panels have a second repeat; it equals the first in t*, tokens, "
                                      f"pair and scores bit for bit in {_share(rp['agree'], rp['compared'])}.\n"
                                      if rp["compared"] else "none recorded (one process repeat per panel).\n"))
     mg = p["margin"]
