@@ -334,3 +334,24 @@ def test_e1_and_replay_at_head_dim_128(ci, cfg, prompt):
     assert (ds["status"] == "compared").all() and (ds["bitwise_equal"].sel(pair="PQ-QB") == 1).all()
     rds = replay_e1(detail)
     assert (rds["own_path_equal"] == 1).all() and (rds["bitwise_equal"].sel(pair="PQ-QB") == 1).all()
+
+
+def test_the_llama3_path_loads_and_runs(cfg, he):
+    """ci-llama: the llama architecture with Llama 3's RoPE scaling as a rope_freqs tensor (which
+    llama.cpp would refuse as an unused tensor if its llama loader did not take it), untied output."""
+    from statelab.runtime import Model
+    from statelab.speculative.derive import _reader
+    from statelab.synth import llama3_rope_factors
+
+    ident = synthesize("ci-llama", "q8_0", 0)
+    f = llama3_rope_factors(get_shape("ci-llama"))
+    assert f.shape == (32,) and f[0] == 1.0 and f[-1] == 32.0 and np.all(np.diff(f) >= 0)
+    stored = {t.name: t for t in _reader(ident["path"]).tensors}
+    assert np.array_equal(np.asarray(stored["rope_freqs.weight"].data), f) and "output.weight" in stored
+    m = Model(ident["path"], backend="cpu")
+    try:
+        assert m.info.architecture == "llama" and (m.info.n_head, m.info.n_head_kv, m.info.head_dim_k) == (32, 8, 64)
+        c, nat = natural(m, he("HumanEval/2"), PRESETS["A"], cfg, CAP)
+        assert np.isfinite(c.logits).all() and sham(m, c, CAP).same(nat)
+    finally:
+        m.close()
