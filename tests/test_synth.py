@@ -81,6 +81,21 @@ def test_shapes_file_holds_the_published_shapes():
     assert all(x.source for x in s.values())
 
 
+def test_shapes_give_the_published_parameter_counts():
+    """With the published vocabulary the tensor plan has the published models' parameters:
+    Llama-3.1-8B 8,030,261,248 (plus the 64 rope_freqs factors, which converters add), Qwen3's
+    model cards' non-embedding counts (0.44B, 6.95B), SmolLM2-1.7B's 1.71B."""
+    def count(name, vocab=None, skip=("rope_freqs.weight",)):
+        s = get_shape(name)
+        return sum(int(np.prod(t.shape)) for t in tensor_plan(s, vocab or s.vocab_published) if t.name not in skip)
+
+    assert count("llama-3.1-8b") == 8_030_261_248
+    emb = ("token_embd.weight", "output.weight")
+    assert round(count("qwen3-0.6b", skip=emb) / 1e9, 2) == 0.44 and round(count("qwen3-8b", skip=emb) / 1e9, 2) == 6.95
+    assert round(count("smollm2-1.7b") / 1e9, 2) == 1.71
+    assert count("qwen3-0.6b", 49152) == 490_799_104  # the synthetic file: SmolLM2's 49152 tokens
+
+
 @pytest.mark.parametrize("edit, needle", [
     (("n_layer = 4", "n_layer = 0"), "positive integer"),
     (('arch = "qwen3"\nsource = "statelab', 'arch = "gpt9"\nsource = "statelab'), "arch must be"),
