@@ -20,7 +20,9 @@
 #   rows [M ...]       verify cost by rows 1..8 (k 7, fixed shape): QB and MQ (benchmarks/speculative.py's
 #                      rows_sweep with the model and k overridden on studies/spec-cuda-ngram.toml)
 #   partition [M ...]  `statelab sweep` A,B,C,R on $LONG (prompts over 128 tokens: B and C split them)
-#   all [M ...]        qualify, rows and partition one model after another (check the time: 10 min a call)
+#   e1 [M ...]         the paper's E1: `statelab audit e1` (first, middle, last layer x prefill, continuation
+#                      x q 1..4 x MQ, PQ, QB = 72 contexts, plus the standalone replay) on HumanEval/2
+#   all [M ...]        qualify, rows, partition and e1 one model after another (check the time: 10 min a call)
 # Every step that measures also packs everything measured so far into $OUT/synth.tgz (one tarball;
 # the last call's is the whole session).
 set -uo pipefail
@@ -36,7 +38,8 @@ mkdir -p $W/models "$RES"
 
 path_of() { echo "$W/models/${1%%:*}-${1##*:}.gguf"; }   # SHAPE:TYPE -> its file
 
-pack() { tar -czf "$OUT/synth.tgz" -C $W synth-results && ls -la "$OUT/synth.tgz"; }
+# the E1 results.nc files (tens of MB each: frozen operands) stay under $W/synth-results; reports travel
+pack() { tar -czf "$OUT/synth.tgz" --exclude='*.nc' -C $W synth-results && ls -la "$OUT/synth.tgz"; }
 
 synth_one() {   # SHAPE:TYPE
   local m=$1 f; f=$(path_of "$1")
@@ -77,6 +80,12 @@ partition_one() {
   done
 }
 
+e1_one() {
+  local m=$1 f; f=$(path_of "$1"); mkdir -p "$RES/e1"
+  sl audit e1 -H 2 --backend "$BACKEND" --model "$f" --out "$RES/e1/${m/:/-}" 2>&1 | tail -30 \
+    | tee "$RES/e1/${m/:/-}.txt"
+}
+
 step=${1:-}; shift || true
 [ $# -gt 0 ] && set -- "$@" || set -- $MODELS
 case "$step" in
@@ -91,7 +100,8 @@ case "$step" in
   qualify) for m in "$@"; do qualify_one "$m"; done; pack ;;
   rows) for m in "$@"; do rows_one "$m"; done; pack ;;
   partition) for m in "$@"; do partition_one "$m"; done; pack ;;
-  all) for m in "$@"; do qualify_one "$m"; rows_one "$m"; partition_one "$m"; done; pack ;;
-  *) echo "usage: $0 setup|keep m1|model|wait|synth [SHAPE:TYPE ...]|qualify [..]|rows [..]|partition [..]|all [..]" >&2
+  e1) for m in "$@"; do e1_one "$m"; done; pack ;;
+  all) for m in "$@"; do qualify_one "$m"; rows_one "$m"; partition_one "$m"; e1_one "$m"; done; pack ;;
+  *) echo "usage: $0 setup|keep m1|model|wait|synth [SHAPE:TYPE ...]|qualify [..]|rows [..]|partition [..]|e1 [..]|all [..]" >&2
      exit 2 ;;
 esac
