@@ -157,7 +157,8 @@ def test_slot_commands(model, server_noflash, tmp_path):
     sp = server_noflash
     sp.server.request("POST", "/slots/0?action=erase")
     sp.server.completion(PROMPT, 2, slot=0)
-    _invoke("slot", "save", tmp_path / "cap", "--url", sp.url, "--slot", 0, "--slot-save-path", sp.slot_dir)
+    _invoke("slot", "save", tmp_path / "cap", "--url", sp.url, "--slot", 0, "--slot-save-path", sp.slot_dir,
+            "--source-backend", "cpu")
     cap = load_capture(tmp_path / "cap")  # the seal and every hash checked
     mine = lab_continuation(model, cap, CAP)
     sp.server.request("POST", "/slots/0?action=erase")
@@ -189,12 +190,12 @@ def test_bad_url_is_one_line(cli, tmp_path):
 
 
 @needs_server
-def test_server_refusals_are_one_line(model, server_noflash, tmp_path, cli):
+def test_server_refusals_are_one_line(model, base_config, server_noflash, tmp_path, cli):
     from conftest import one_line_error
 
     sp = server_noflash
     r = cli("slot", "save", tmp_path / "out", "--url", sp.url, "--slot", 7, "--slot-save-path", sp.slot_dir)
-    one_line_error(r, "HTTP 400", "Invalid slot ID")
+    one_line_error(r, "has 1 slot (0..0), not slot 7")  # llama-server itself would take slot 7 as slot 0
     # a folder that is not the server's: the saved file is not there
     other = tmp_path / "elsewhere"
     other.mkdir()
@@ -204,3 +205,11 @@ def test_server_refusals_are_one_line(model, server_noflash, tmp_path, cli):
     assert not (tmp_path / "out").exists()
     for f in sp.slot_dir.iterdir():  # what the server wrote for the refused save is still its own
         f.unlink()
+    # a restore from a folder that is not the server's: the server finds no file
+    from statelab.lab.archive import save_capture
+    from statelab.lab.formation import form, parse_schedule
+
+    save_capture(form(model, _prompt(), parse_schedule("A"), base_config), tmp_path / "cap")
+    r = cli("slot", "restore", tmp_path / "cap", "--url", sp.url, "--slot-save-path", other)
+    one_line_error(r, "HTTP 400", "Unable to restore slot", "--slot-save-path")
+    assert not list(other.iterdir())  # the transfer file is removed

@@ -10,6 +10,8 @@ import typer
 
 from statelab.cli.common import (BackendOpt, CtxOpt, HumanEvalOpt, PromptFileOpt, PromptOpt, ThreadsOpt, app,
                                  console, load_capture_dir, optional_prompt, setup)
+from statelab.errors import ConfigError, one_of
+from statelab.runtime.native import BACKENDS
 
 slot_app = typer.Typer(add_completion=False, no_args_is_help=True,
                        help="A running llama-server's slots: save one as a capture, restore a capture into one.")
@@ -33,17 +35,22 @@ def save(out: Path = typer.Argument(..., help="output capture folder (must not e
          prompt_file: Optional[Path] = PromptFileOpt,
          logits: str = typer.Option("recompute", "--logits", help="recompute (re-evaluate the last token; the file "
                                     "holds no logits) or none"),
-         backend: str = BackendOpt, threads: int = ThreadsOpt, n_ctx: int = CtxOpt,
-         timeout: float = TimeoutOpt, keep_file: bool = KeepOpt):
+         backend: str = BackendOpt, source_backend: Optional[str] = typer.Option(
+             None, "--source-backend", help="the backend the server runs on (it does not report it); without it the "
+             "capture's backend is unknown and continuing it needs --allow-backend"),
+         threads: int = ThreadsOpt, n_ctx: int = CtxOpt, timeout: float = TimeoutOpt, keep_file: bool = KeepOpt):
     """Ask the server to save a slot (POST /slots/N?action=save) and import it as a verified capture."""
     from statelab.lab.archive import check_capture_dest, save_capture
     from statelab.lab.server import Server, save_slot_capture, server_model_path
 
     check_capture_dest(out)
+    if source_backend is not None and source_backend not in BACKENDS:
+        raise ConfigError(f"--source-backend must be {one_of(BACKENDS)}, got {source_backend!r}")
     srv = Server(url, timeout)
     p = optional_prompt(prompt, humaneval, prompt_file)
     m, base = setup(model or server_model_path(srv), backend, threads, n_ctx)
-    c = save_slot_capture(srv, slot, slot_dir, m, base, prompt=p, logits=logits, keep_file=keep_file)
+    c = save_slot_capture(srv, slot, slot_dir, m, base, prompt=p, logits=logits, source_backend=source_backend,
+                          keep_file=keep_file)
     save_capture(c, out)
     console.print(f"slot {slot} of {srv.url}: {c.n_prompt} tokens as {c.prompt_id} -> {out}\n"
                   f"logits: {c.identity['logits']['source']}; kv {c.hashes()['kv'][:16]}", markup=False)

@@ -171,9 +171,22 @@ def server_model_path(server: Server) -> Path | None:
     return Path(p) if p and Path(p).is_file() else None
 
 
-def check_server_model(server: Server, model) -> dict:
-    """The server's ``/props``; its model file, when readable here, must be ``model``'s (sha256)."""
+def check_server_slot(server: Server, slot: int) -> dict:
+    """The server's ``/props``; ``slot`` must be one of its slots (llama-server itself takes a
+    slot id modulo its slot count: slot 7 of a one-slot server would be slot 0)."""
+    check_slot(slot)
     props = server.props()
+    n = props.get("total_slots")
+    if isinstance(n, int) and not slot < n:
+        raise ServerError(f"the server at {server.url} has {n} slot{'s' if n != 1 else ''} "
+                          f"(0..{n - 1}), not slot {slot}")
+    return props
+
+
+def check_server_model(server: Server, model, slot: int) -> dict:
+    """The server's ``/props`` (``slot`` checked); its model file, when readable here, must be
+    ``model``'s (sha256)."""
+    props = check_server_slot(server, slot)
     p = props.get("model_path")
     if p and Path(p).is_file() and model_sha256(p) != model_sha256(model.path):
         raise IdentityError(f"the server at {server.url} runs {p}, not {model.path} (sha256 differs)")
@@ -181,13 +194,14 @@ def check_server_model(server: Server, model) -> dict:
 
 
 def save_slot_capture(server: Server, slot: int, slot_dir, model, config, *, prompt=None,
-                      logits: str = "recompute", keep_file: bool = False) -> Capture:
+                      logits: str = "recompute", source_backend: str | None = None, keep_file: bool = False) -> Capture:
     """``statelab slot save``: the server saves slot ``slot`` into ``slot_dir`` (its
     ``--slot-save-path``); the file is imported as a verified capture (the checks of
     ``import-state``; ``logits='recompute'`` re-evaluates the last token, since a slot file
-    holds no logits) and removed unless ``keep_file``."""
+    holds no logits) and removed unless ``keep_file``.  ``source_backend``: the backend the
+    server runs on, when known (the server does not report it; unknown otherwise)."""
     d = _slot_dir(slot_dir)
-    props = check_server_model(server, model)
+    props = check_server_model(server, model, slot)
     name = _transfer_name(slot)
     path = d / name
     answer = server.save_slot(slot, name)
@@ -207,7 +221,7 @@ def save_slot_capture(server: Server, slot: int, slot_dir, model, config, *, pro
         if keep_file:
             origin["server"]["file"] = str(path)
         inc = replace(inc, origin=origin, source=str(path))
-        return import_incoming(inc, model, config, prompt=prompt, logits=logits)
+        return import_incoming(inc, model, config, prompt=prompt, logits=logits, source_backend=source_backend)
     finally:
         if not keep_file:
             path.unlink(missing_ok=True)
@@ -219,7 +233,7 @@ def restore_capture(server: Server, slot: int, capture: Capture, slot_dir, *, n_
     ``slot_dir`` (the server's ``--slot-save-path``) and restored into slot ``slot``; the
     server's answer (``n_restored`` must be the capture's token count)."""
     d = _slot_dir(slot_dir)
-    check_slot(slot)
+    check_server_slot(server, slot)
     name = _transfer_name(slot)
     path = d / name
     export_state_file(capture, path, "seq", n_stream=n_stream)
@@ -401,11 +415,11 @@ def check_slot_save(server: Server, slot_dir, model, config, prompt: str, cap: i
     """(a) The server completes ``prompt`` (``n_first`` greedy tokens, prompt cache on) and
     saves the slot over HTTP; the import continues in the lab (``cap`` tokens, logits
     recomputed) and the server continues from the cells it saved (its pending token, then
-    ``cap - 1`` more).  Also returns the imported capture."""
+    ``cap - 1`` more).  The server runs on ``config.backend``.  Also returns the imported capture."""
     server.request("POST", f"/slots/{check_slot(slot)}?action=erase")
     r = server.completion(prompt, n_first, slot=slot)
     gen, n_prompt = [int(t) for t in r.get("tokens", [])], int(r.get("tokens_evaluated", -1))
-    capture = save_slot_capture(server, slot, slot_dir, model, config)
+    capture = save_slot_capture(server, slot, slot_dir, model, config, source_backend=config.backend)
     k = capture.n_prompt - n_prompt  # generated tokens the server decoded into the slot
     if not 0 <= k < len(gen) or [int(t) for t in capture.tokens[n_prompt:]] != gen[:k]:
         raise ServerError(f"the saved slot holds {capture.n_prompt} tokens, not the {n_prompt} prompt tokens and "
