@@ -10,7 +10,7 @@ a device backend) and the lab works on the same backend:
       lab's continuation against the server's own from the saved cells;
   (b) restore: a lab capture (schedule A) restored into the slot and continued there against
       the lab's continuation;
-  (c) subset cross: LATE_V from a schedule-A donor into a token-by-token recipient, restored
+  (c) subset cross: LATE (K and V of the late layers) from a schedule-A donor into a token-by-token recipient, restored
       and continued there against the lab's crossed endpoint.
 Every check is a row of the JSON record (token ids of both sides, equal or not, or the one-line
 error); the exit status is 0 when every check that ran gave equal tokens, else 1.
@@ -68,9 +68,9 @@ def run(args) -> list[dict]:
                    lambda: check_restore(sp.server, sp.slot_dir, model, form(model, p, parse_schedule("A"), cfg),
                                          args.cap))
             q = prompts.resolve("text:" + PROMPT + "if n < 2:\n        return n\n")
-            record("subset cross LATE_V -> restore -> continue",
+            record("subset cross LATE -> restore -> continue",
                    lambda: check_subset_cross(sp.server, sp.slot_dir, model, form(model, q, parse_schedule("A"), cfg),
-                                              form(model, q, parse_schedule("R"), cfg), "LATE_V", args.cap))
+                                              form(model, q, parse_schedule("R"), cfg), "LATE", args.cap))
     model.close()
     return rows
 
