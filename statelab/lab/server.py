@@ -204,11 +204,12 @@ def save_slot_capture(server: Server, slot: int, slot_dir, model, config, *, pro
     props = check_server_model(server, model, slot)
     name = _transfer_name(slot)
     path = d / name
-    answer = server.save_slot(slot, name)
     try:
+        answer = server.save_slot(slot, name)
         if not path.is_file():
             raise ServerError(f"the server saved slot {slot} as {name!r} but {d} holds no such file: is {d} the "
-                              "folder the server was started with (--slot-save-path)?")
+                              "folder the server was started with (--slot-save-path)? (the server's copy stays in "
+                              "its own folder)")
         written = answer.get("n_written")
         if written is not None and path.stat().st_size != int(written):
             raise ServerError(f"{path}: {path.stat().st_size} bytes, the server wrote {written}")
@@ -273,11 +274,12 @@ def continue_in_server(server: Server, slot: int, tokens, first: int, n_predict:
 def server_binary(explicit=None) -> Path:
     """The llama-server binary: ``explicit``, ``$STATELAB_LLAMA_SERVER``, the one
     ``native/server.py`` installed beside this interpreter, or ``llama-server`` on PATH."""
-    for cand in (explicit, os.environ.get(BINARY_ENV), Path(sys.prefix) / "bin" / BINARY, shutil.which(BINARY)):
+    named = explicit or os.environ.get(BINARY_ENV)
+    for cand in [named] if named else [Path(sys.prefix) / "bin" / BINARY, shutil.which(BINARY)]:
         if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
             return Path(cand)
-    if explicit or os.environ.get(BINARY_ENV):
-        raise ConfigError(f"llama-server binary not found or not executable: {explicit or os.environ[BINARY_ENV]}")
+    if named:
+        raise ConfigError(f"llama-server binary not found or not executable: {named}")
     raise ConfigError("no llama-server binary: build it with `python native/server.py` (install.sh does), "
                       f"or set {BINARY_ENV}")
 
