@@ -52,6 +52,28 @@ def server_default(model):
         yield sp
 
 
+@needs_server
+@pytest.mark.gemma
+def test_gemma_slot_save_and_restore_with_swa_full(gemma):
+    """Gemma 3 (iSWA): with ``--swa-full`` the server reuses a restored slot, and (a) and (b) hold.
+    Without it a restored slot has no context checkpoints and the server re-processes the whole
+    prompt, which ``continue_in_server`` refuses in one line (checked here too)."""
+    from statelab.lab.formation import form, parse_schedule
+    from statelab.lab.server import ServerError, check_restore, check_slot_save, running_server
+    from statelab.runtime import ContextConfig
+
+    cap = form(gemma, _prompt("a, b = 0, 1\n"), parse_schedule("A"), ContextConfig(n_ctx=1024))
+    with running_server(gemma.path, flash_attn="off", threads=_threads()) as sp:
+        with pytest.raises(ServerError, match="re-processed .* prompt tokens instead of reusing"):
+            check_restore(sp.server, sp.slot_dir, gemma, cap, CAP)
+    with running_server(gemma.path, flash_attn="off", threads=_threads(), extra=["--swa-full"]) as sp:
+        chk = check_restore(sp.server, sp.slot_dir, gemma, cap, CAP)
+        assert len(chk.lab) == CAP and chk.lab == chk.server
+        chk, imported = check_slot_save(sp.server, sp.slot_dir, gemma, ContextConfig(n_ctx=1024), PROMPT, CAP)
+        assert len(chk.lab) == CAP and chk.lab == chk.server and chk.detail["same_as_first_generation"]
+        assert len(imported.state.part_list) == 2  # the full and the sliding-window cache
+
+
 def _invoke(*args):
     """The CLI in process; a failure shows its exception."""
     from typer.testing import CliRunner
