@@ -36,43 +36,42 @@ PROMPT = "def fibonacci(n):\n    "
 
 
 def run(args) -> list[dict]:
-    rows = []
+    rows: list[dict] = []
     model = Model(None, backend=args.backend)
     extra = ["-ngl", "999"] if args.backend != "cpu" else []
     for fa in ("off", "auto"):
         t0 = time.time()
         with running_server(model.path, flash_attn=fa, extra=extra, threads=args.threads) as sp:
-            started = time.time() - t0
-            base = ContextConfig(backend=args.backend, n_ctx=1024, n_threads=args.threads or 0)
-
-            def record(name, fn):
-                t = time.time()
-                try:
-                    chk = fn()
-                    row = chk.as_dict()
-                except StatelabError as e:
-                    row = {"check": name, "equal": None, "error": " ".join(str(e).split())}
-                row.update(server_flash_attn=fa, backend=args.backend, seconds=round(time.time() - t, 2),
-                           server_start_s=round(started, 2))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-
-            def a():
-                return check_slot_save(sp.server, sp.slot_dir, model, base, PROMPT, args.cap)[0]
-
-            record("slot save -> import -> continue", a)
-            flash = _server_flash(sp)  # the lab forms its states in the server's attention mode
-            cfg = base.with_(flash_attn=flash)
-            p = prompts.resolve("text:" + PROMPT + "a, b = 0, 1\n")
-            record("capture -> restore -> continue",
-                   lambda: check_restore(sp.server, sp.slot_dir, model, form(model, p, parse_schedule("A"), cfg),
-                                         args.cap))
-            q = prompts.resolve("text:" + PROMPT + "if n < 2:\n        return n\n")
-            record("subset cross LATE -> restore -> continue",
-                   lambda: check_subset_cross(sp.server, sp.slot_dir, model, form(model, q, parse_schedule("A"), cfg),
-                                              form(model, q, parse_schedule("R"), cfg), "LATE", args.cap))
+            tags = {"server_flash_attn": fa, "backend": args.backend, "server_start_s": round(time.time() - t0, 2)}
+            run_mode(sp, model, args, tags, rows)
     model.close()
     return rows
+
+
+def record(rows: list[dict], name: str, tags: dict, fn) -> None:
+    t = time.time()
+    try:
+        row = fn().as_dict()
+    except StatelabError as e:
+        row = {"check": name, "equal": None, "error": " ".join(str(e).split())}
+    row.update(tags, seconds=round(time.time() - t, 2))
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def run_mode(sp, model, args, tags: dict, rows: list[dict]) -> None:
+    """The three checks against one running server."""
+    base = ContextConfig(backend=args.backend, n_ctx=1024, n_threads=args.threads or 0)
+    record(rows, "slot save -> import -> continue", tags,
+           lambda: check_slot_save(sp.server, sp.slot_dir, model, base, PROMPT, args.cap)[0])
+    cfg = base.with_(flash_attn=_server_flash(sp))  # the lab forms its states in the server's attention mode
+    p = prompts.resolve("text:" + PROMPT + "a, b = 0, 1\n")
+    record(rows, "capture -> restore -> continue", tags,
+           lambda: check_restore(sp.server, sp.slot_dir, model, form(model, p, parse_schedule("A"), cfg), args.cap))
+    q = prompts.resolve("text:" + PROMPT + "if n < 2:\n        return n\n")
+    record(rows, "subset cross LATE -> restore -> continue", tags,
+           lambda: check_subset_cross(sp.server, sp.slot_dir, model, form(model, q, parse_schedule("A"), cfg),
+                                      form(model, q, parse_schedule("R"), cfg), "LATE", args.cap))
 
 
 def _server_flash(sp) -> bool:

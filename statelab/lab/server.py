@@ -104,7 +104,7 @@ class Server:
             if isinstance(reason, (TimeoutError, socket.timeout)):
                 raise ServerError(f"{method} {self.url}{path}: no answer within {t:g} s") from None
             raise ServerError(f"llama-server not reachable at {self.url} ({reason})") from None
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:  # socket.timeout is TimeoutError
             raise ServerError(f"{method} {self.url}{path}: no answer within {t:g} s") from None
         except (ConnectionError, OSError) as e:
             raise ServerError(f"llama-server at {self.url}: connection failed ({e})") from None
