@@ -1,6 +1,6 @@
 """statelab command line (typer + rich): ``statelab ...`` and ``python -m statelab.cli ...``.
 
-The commands live in one module per group (:mod:`.doctor`, :mod:`.lab`, :mod:`.interop`,
+The commands live in one module per group (:mod:`.doctor`, :mod:`.lab`, :mod:`.interop`, :mod:`.slot`,
 :mod:`.partition`, :mod:`.study`, :mod:`.model`, :mod:`.spec`, :mod:`.frontier`,
 :mod:`.audit`); each parses its options, calls the library and prints.  Importing them here
 registers them on :data:`statelab.cli.common.app` in the order ``statelab --help`` lists them.
@@ -12,7 +12,7 @@ import sys
 import typer
 from typer._click.exceptions import ClickException  # typer's vendored click raises these
 
-from statelab.cli import doctor, lab, interop, partition, study, model, spec, frontier, audit  # noqa: F401 (order)
+from statelab.cli import doctor, lab, interop, slot, partition, study, model, spec, frontier, audit  # noqa: F401 (order)
 from statelab.cli import interrupts
 from statelab.cli.common import app
 from statelab.errors import StatelabError
