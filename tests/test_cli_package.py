@@ -19,7 +19,7 @@ from statelab.lab.archive import ArchiveError, check_capture_dest
 from statelab.runtime.native import BACKENDS, check_backend
 
 COMMANDS = ["doctor", "generate", "capture", "continue", "sham", "cross", "diff", "import-state", "export-state",
-            "sweep", "demo", "replay", "locate", "study", "model", "spec", "frontier", "audit"]
+            "sweep", "demo", "replay", "locate", "slot", "study", "model", "spec", "frontier", "audit"]
 
 
 def test_commands_stand_in_help_order_and_the_start_is_light():

@@ -950,7 +950,8 @@ def _check_out(out: Path, runs) -> None:
         raise FindingsInputError(f"{out} exists and is not a folder; name a new --out")
     if any(out.resolve() == r.root.resolve() for r in runs):
         raise FindingsInputError(f"{out} is one of the study folders read; name a new --out")
-    names = [p.name for p in out.iterdir()]
+    read = {r.root.resolve() for r in runs}  # the kept layout: docs/findings/X/run inside docs/findings/X
+    names = [p.name for p in out.iterdir() if p.resolve() not in read]
     if not names:
         return
     if not (_json_of(out / MARKER).get("format") == MARKER_FORMAT
