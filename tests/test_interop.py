@@ -10,7 +10,7 @@ import pytest
 
 from statelab.lab.interop import (SEQ_FILE_MAGIC, WHOLE_FILE_MAGIC, InteropError, encode_state_file, parse_state_file,
                                   sequence_zero_state, split_whole_stream, whole_stream)
-from statelab.kvstate import KVState, build_blob, make_state
+from statelab.kvstate import build_blob, make_state
 
 from conftest import one_line_error
 
