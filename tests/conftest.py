@@ -77,9 +77,11 @@ def run_cli(*args, env=None, timeout=None):
     repository root like the subprocess.  Returns a ``CompletedProcess`` like
     :func:`run_cli_subprocess`; ``timeout`` is accepted for the same signature (pytest-timeout
     bounds the test)."""
+    import importlib
+
     from typer.testing import CliRunner
 
-    from statelab.cli import main as cli_main
+    cli_main = importlib.import_module("statelab.cli.main")  # the module (statelab.cli.main is also the function)
 
     argv = ["statelab", *(str(a) for a in args)]
     saved = sys.argv, os.getcwd(), sys.unraisablehook, signal.getsignal(signal.SIGINT)
