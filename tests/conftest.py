@@ -70,6 +70,9 @@ def run_cli_subprocess(*args, env=None, timeout=600):
                           timeout=timeout, cwd=REPO)
 
 
+PROCESS_ENV = {"PYTHONPATH", "LLAMA_CPP_LIB_PATH", "PYTHONHASHSEED", "LD_LIBRARY_PATH", "GGML_VK_VISIBLE_DEVICES"}
+
+
 def run_cli(*args, env=None, timeout=None):
     """``statelab ARGS`` in this process: the entry point :func:`statelab.cli.main.main` itself
     (the same one-line errors and exit statuses 0/1/2/130) under typer's ``CliRunner``
@@ -83,6 +86,8 @@ def run_cli(*args, env=None, timeout=None):
 
     cli_main = importlib.import_module("statelab.cli.main")  # the module (statelab.cli.main is also the function)
 
+    if set(env or ()) & PROCESS_ENV:
+        raise ValueError(f"{sorted(set(env) & PROCESS_ENV)} act when an interpreter starts: use run_cli_subprocess")
     argv = ["statelab", *(str(a) for a in args)]
     saved = sys.argv, os.getcwd(), sys.unraisablehook, signal.getsignal(signal.SIGINT)
     code = 0
@@ -174,3 +179,49 @@ def pytest_runtest_call(item):
     if _model_loads[0] != before and item.get_closest_marker("model") is None:
         pytest.fail(f"{item.nodeid} loads a model: mark it @pytest.mark.model", pytrace=False)
     return res
+
+
+# ------------------------------------------------------------------ golden runs started early
+
+# The golden speculative campaign runs its timed blocks one at a time on one thread, for minutes:
+# when its test is selected it starts with the session, beside the other tests, and its test
+# compares what it wrote (tests/test_golden.py, golden_output).  While it runs, the tests'
+# contexts default to one thread (STATELAB_THREADS; ggml's threads spin-wait on a busy core).
+BACKGROUND_GOLDEN = ("spec-cpu",)
+_golden_started: dict = {}  # kind -> (process, output folder)
+
+
+def pytest_collection_finish(session):
+    import tempfile
+
+    wanted = {item.callspec.params.get("kind") for item in session.items
+              if item.path.name == "test_golden.py" and hasattr(item, "callspec")}
+    for kind in BACKGROUND_GOLDEN:
+        if kind in wanted and not session.config.option.collectonly:
+            from golden_outputs import start
+
+            os.environ.setdefault("STATELAB_THREADS", "1")
+            out = Path(tempfile.mkdtemp(prefix="statelab-golden-")) / kind
+            _golden_started[kind] = (start(kind, out), out)
+
+
+def golden_output(kind: str, tmp_path: Path) -> Path:
+    """The output folder of the golden run ``kind``: the one started with the session, or a
+    run now into ``tmp_path``."""
+    from golden_outputs import finish, run
+
+    if kind in _golden_started:
+        proc, out = _golden_started[kind]
+        return finish(proc, out)
+    return run(kind, tmp_path / kind)
+
+
+def pytest_sessionfinish(session):
+    import shutil
+
+    from golden_outputs import stop
+
+    for proc, out in _golden_started.values():
+        stop(proc)
+        shutil.rmtree(out.parent, ignore_errors=True)
+    _golden_started.clear()

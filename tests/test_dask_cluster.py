@@ -84,6 +84,7 @@ def _records(out: Path) -> dict[str, dict]:
             for r in CellLog(out / "cells.jsonl").records()}
 
 
+@pytest.mark.cli
 @pytest.mark.model
 @pytest.mark.slow
 def test_ci_study_on_a_real_dask_cluster_survives_a_killed_worker(tmp_path):

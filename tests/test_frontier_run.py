@@ -10,14 +10,12 @@ from __future__ import annotations
 import io
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import one_line_error
+from conftest import one_line_error, run_cli
 from statelab.experiments.frontier_panels import FrontierRunError, load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,11 +74,7 @@ def run_dir(tmp_path_factory):
     spec = base / "spec.toml"
     spec.write_text(SPEC)
     out = base / "run"
-    import os
-
-    env = dict(os.environ, **THREADS)
-    r = subprocess.run([sys.executable, "-m", "statelab.cli", "frontier", "run", str(spec), "--out", str(out)],
-                       capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    r = run_cli("frontier", "run", spec, "--out", out, env=THREADS)
     assert r.returncode == 0, r.stderr
     return out, r
 
@@ -153,12 +147,12 @@ def _no_native(tmp_path: Path) -> dict:
 
 
 @pytest.mark.model
-def test_analyse_reproduces_without_model(run_dir, tmp_path, cli):
+def test_analyse_reproduces_without_model(run_dir, tmp_path, cli_subprocess):
     from statelab.analysis import frontier as F
 
     out, _ = run_dir
     copy = _copy(out, tmp_path / "copy")
-    r = cli("frontier", "analyse", copy, env=_no_native(tmp_path))
+    r = cli_subprocess("frontier", "analyse", copy, env=_no_native(tmp_path))
     assert r.returncode == 0, r.stderr
     a, b = F.load_results(out / "results.nc"), F.load_results(copy / "results.nc")
     assert a.identical(b)

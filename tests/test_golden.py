@@ -8,9 +8,10 @@ import json
 
 import pytest
 
+from conftest import golden_output
 from golden_outputs import STUDIES, golden, normalise, run
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.cli]
 
 
 def _diff(want, got, limit: int = 40) -> str:
@@ -22,7 +23,7 @@ def _diff(want, got, limit: int = 40) -> str:
 @pytest.mark.parametrize("kind", sorted(STUDIES))
 def test_outputs_equal_the_golden_files(kind, tmp_path):
     want = golden(kind)
-    got = normalise(run(kind, tmp_path / kind), kind)
+    got = normalise(golden_output(kind, tmp_path), kind)
     assert sorted(got) == sorted(want), f"{kind}: other files: {sorted(set(got) ^ set(want))}"
     for name in want:
         assert got[name] == want[name], f"{kind}/{name} differs:\n{_diff(want[name], got[name])}"
