@@ -11,7 +11,7 @@ import pytest
 from conftest import golden_output
 from golden_outputs import STUDIES, golden, normalise, run
 
-pytestmark = [pytest.mark.model, pytest.mark.cli]
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.cli]
 
 
 def _diff(want, got, limit: int = 40) -> str:
