@@ -12,6 +12,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import traceback
 from pathlib import Path
 
 import pytest
@@ -98,10 +100,14 @@ def run_cli(*args, env=None, timeout=None):
             cli_main.main()
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except Exception:  # what the interpreter does with an uncaught error: the traceback, status 1
+            traceback.print_exc()
+            code = 1
         finally:
             sys.argv, cwd, sys.unraisablehook, sigint = saved
             os.chdir(cwd)
-            signal.signal(signal.SIGINT, sigint)
+            if sigint is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, sigint)
             with contextlib.suppress(ValueError):
                 sys.stdout.flush(), sys.stderr.flush()
         stdout, stderr = out.getvalue().decode(), err.getvalue().decode()

@@ -105,6 +105,7 @@ def unpatched_lib(tmp_path_factory):
     return d / "llama_cpp" / "lib"
 
 
+@pytest.mark.slow  # builds the library with the patch series up to 0001 (cached by source hash)
 def test_mq_layout_matches_the_unpatched_library(unpatched_lib, cli, cli_subprocess):
     args = ("generate", "-H", "2", "--cap", "24", "--schedule", "ub4", "--json")
     patched = cli(*args)
