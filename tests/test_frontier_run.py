@@ -173,11 +173,11 @@ def _write_manifest(folder: Path, m: dict) -> None:
 
 
 @pytest.mark.model
-def test_bad_stored_traces_give_one_line_errors(run_dir, tmp_path, cli):
+def test_bad_stored_traces_give_one_line_errors(run_dir, tmp_path, cli, cli_subprocess):
     import hashlib
 
     out, _ = run_dir
-    env = _no_native(tmp_path)
+    env = None  # the rest in process: without llama_cpp once here and in test_analyse_reproduces_without_model
     unit = Path("traces/HumanEval_86/A-R/r1")
 
     # traces of another model mixed into the panel
@@ -185,8 +185,8 @@ def test_bad_stored_traces_give_one_line_errors(run_dir, tmp_path, cli):
     m = _manifest(c / unit)
     m["model_sha256"] = "0" * 64
     _write_manifest(c / unit, m)
-    one_line_error(cli("frontier", "analyse", c, env=env), "HumanEval/86 A->R panel POSITION:",
-                   "traces of different models mixed in one panel")
+    one_line_error(cli_subprocess("frontier", "analyse", c, env=_no_native(tmp_path)),
+                   "HumanEval/86 A->R panel POSITION:", "traces of different models mixed in one panel")
 
     # traces of another prompt mixed into the panel
     c = _copy(out, tmp_path / "prompt")
