@@ -106,6 +106,7 @@ def unpatched_lib(tmp_path_factory):
 
 
 @pytest.mark.slow  # builds the library with the patch series up to 0001 (cached by source hash)
+@pytest.mark.timeout(3600)  # the build, on 2 cores, when no cached wheel exists
 def test_mq_layout_matches_the_unpatched_library(unpatched_lib, cli, cli_subprocess):
     args = ("generate", "-H", "2", "--cap", "24", "--schedule", "ub4", "--json")
     patched = cli(*args)
