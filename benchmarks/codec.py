@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
 from _report import machine, update_section
 
 from statelab import prompts
+from statelab.errors import script_main
 from statelab.kvstate import KVState
 from statelab.runtime import Context, ContextConfig, Model
 
@@ -92,4 +94,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 from _report import machine, update_section
 
 from statelab import prompts
+from statelab.errors import script_main
 from statelab.lab.archive import load_capture, save_capture
 from statelab.lab.formation import PRESETS, form
 from statelab.lab.intervene import config_of, subset_cross
@@ -85,4 +87,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 from _report import machine, update_section
 
 from statelab import prompts
+from statelab.errors import script_main
 from statelab.lab.formation import PRESETS, prefill
 from statelab.lab.receiver import continue_greedy
 from statelab.runtime import Context, ContextConfig, Model, prepare_backend
@@ -66,4 +68,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

@@ -11,13 +11,16 @@ rows per call and acceptance over all prompts together.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 
 from statelab import prompts
+from statelab.errors import script_main
 from statelab.experiments.campaign import CampaignSpec
 from statelab.runtime import Model
-from statelab.speculative.transaction import AdaptiveK, NgramDrafter, Runner, SpecConfig, parse_ngram
+from statelab.speculative.drafters import NgramDrafter, parse_ngram
+from statelab.speculative.transaction import AdaptiveK, Runner, SpecConfig
 
 
 def replay(prompt: np.ndarray, out: np.ndarray, drafter: NgramDrafter, kp: AdaptiveK) -> tuple[int, int, int, int]:
@@ -64,4 +67,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

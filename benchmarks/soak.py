@@ -32,6 +32,7 @@ import psutil
 from _report import machine, update_section
 
 from statelab import prompts
+from statelab.errors import script_main
 from statelab.lab.archive import load_capture, save_capture
 from statelab.lab.formation import PRESETS, form
 from statelab.lab.intervene import sham, subset_cross
@@ -190,4 +191,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,11 +29,14 @@ from pathlib import Path
 import numpy as np
 from _report import machine, update_section
 
+from statelab.errors import script_main
 from statelab.experiments.campaign import CampaignSpec, run_campaign
 from statelab.runtime.layouts import Layout
-from statelab.speculative.transaction import Arm, is_ngram
+from statelab.speculative.drafters import is_ngram
+from statelab.speculative.transaction import Arm
 
 GOAL = ("R", "C_QB", 1.5)
+PANEL_GOALS = {"panel": 1.8, "prose": 1.5, "lowest prompt": 1.0}  # issue 25 item 6 (a spec named *panel*)
 
 
 def rows_sweep(spec: CampaignSpec, rounds: int = 40) -> str:
@@ -116,6 +120,29 @@ def _rows_one_layout(spec: CampaignSpec, cfg, layout: str, rounds: int):
     return fixed, changing, rm
 
 
+def panel_figures(spec: CampaignSpec, res: dict, goal: dict) -> str:
+    """The panel's figures against issue 25's goals: the whole panel, each half, the lowest prompt."""
+    ratio = f"{GOAL[0]}/{GOAL[1]}"
+    parts = [p for p in res.get("breakdown", []) if p["ratio"] == ratio and p["estimate"] is not None]
+    qual = all(r["qualified"] for r in res["records"])
+    label = f"{ratio} (ngram, {spec.backend}, panel"
+    rows = [(f"{label})", goal["estimate"], goal["lower"], goal["upper"], PANEL_GOALS["panel"])]
+    for p in parts:
+        if p["scope"] == "group":
+            rows.append((f"{label}, {p['name']} half)", p["estimate"], p["lower"], p["upper"],
+                         PANEL_GOALS.get(p["name"])))
+    per = [p for p in parts if p["scope"] == "prompt"]
+    if per:
+        low = min(per, key=lambda p: p["estimate"])
+        rows.append((f"{label}, lowest prompt {low['name']})", low["estimate"], low["lower"], low["upper"],
+                     PANEL_GOALS["lowest prompt"]))
+    out = ["| figure | estimate | interval | goal |", "|---|---|---|---|"]
+    for name, est, lo, hi, want in rows:
+        met = "" if want is None else f">= {want} with 100% qualification: {'met' if qual and est >= want else 'not met'}"
+        out.append(f"| {name} | {est:.3f} | [{lo:.3f}, {hi:.3f}] | {met} |")
+    return "\n".join(out) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("spec", nargs="?", default="studies/spec-cpu.toml")
@@ -154,14 +181,20 @@ def main():
         body += ("| figure | estimate | interval | goal |\n|---|---|---|---|\n"
                  f"| R/C_QB (ngram, {spec.backend}) | {est} | >= {GOAL[2]} with 100% qualification: "
                  f"{'met' if met else 'not met'} |\n\n")
+    panel = "panel" in spec_path.stem
+    if panel and goal is not None and goal["qualified"]:
+        body += panel_figures(spec, res, goal) + "\n"
     body += res["report"].split("\n", 1)[1].replace("## ", "#### ")
     if a.rows:
         body += "\n#### Verify cost by rows\n\n" + rows_sweep(spec)
     print(body)
     if not a.no_write:
         key = f"speculative-{spec.backend}" + ("-ngram" if ngram else "")
-        update_section(key, f"Speculative arms ({spec.backend}{', n-gram drafter' if ngram else ''})", body)
+        title = f"Speculative arms ({spec.backend}{', n-gram drafter' if ngram else ''})"
+        if panel:  # its own section: the earlier figures stay beside it
+            key, title = "speculative-" + spec_path.stem.removeprefix("spec-"), f"Speculative panel ({spec_path.name})"
+        update_section(key, title, body)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine, update_section  # noqa: E402
+from statelab.errors import script_main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -160,4 +161,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))

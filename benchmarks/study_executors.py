@@ -36,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from statelab.errors import script_main  # noqa: E402
 from statelab.experiments.matrix import CellLog, load_spec, run_study  # noqa: E402
 from statelab.experiments.matrix.cells import plan  # noqa: E402
 from statelab.experiments.matrix.store import StudyDir  # noqa: E402
@@ -256,4 +257,4 @@ The machine is shared: quote medians and ratios, not single absolute times.
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))

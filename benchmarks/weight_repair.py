@@ -15,6 +15,7 @@ from pathlib import Path
 
 from _report import machine, update_section
 
+from statelab.errors import script_main
 from statelab.experiments.campaign import CampaignSpec, run_campaign
 
 DEFAULT = ["studies/spec-cpu-weights.toml", "studies/spec-cpu-gemma-weights.toml"]
@@ -37,4 +38,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

@@ -198,21 +198,28 @@ def identity(backend: str, upto: str | None = None, extra_cmake: list[str] | Non
     }
 
 
+def prepare_tree(sdist: Path | None, ident: dict, tmp: Path, tree: Path | None = None) -> tuple[Path, dict]:
+    """The sdist (or ``tree``, an unpacked copy of it) unpacked under ``tmp`` with the identity's
+    patch series applied; returns the patched tree and the identity (marked when from ``tree``)."""
+    if tree is None:
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+    else:
+        if not (tree / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
+            raise BuildError(f"{tree} is not an unpacked {SDIST_FILE} (no vendor/llama.cpp/CMakeLists.txt)")
+        shutil.copytree(tree, tmp / SDIST_FILE.removesuffix(".tar.gz"), symlinks=True)
+        ident = dict(ident, source="tree (unpacked sdist, not hash-verified)")
+    tree = tmp / SDIST_FILE.removesuffix(".tar.gz")
+    apply_patches(tree, [PATCH_DIR / n for n in ident["patches"]])
+    return tree, ident
+
+
 def build_wheel(sdist: Path | None, ident: dict, out_dir: Path, jobs: int, tree: Path | None = None) -> Path:
     """Build from the sdist, or from ``tree``, an unpacked copy of it (copied, then patched; used
     where the 73 MB sdist cannot travel, e.g. to a lent GPU machine)."""
     with tempfile.TemporaryDirectory(prefix="statelab-build-") as tmp:
         tmp = Path(tmp)
-        if tree is None:
-            with tarfile.open(sdist) as tar:
-                tar.extractall(tmp, filter="data")
-        else:
-            if not (tree / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
-                raise BuildError(f"{tree} is not an unpacked {SDIST_FILE} (no vendor/llama.cpp/CMakeLists.txt)")
-            shutil.copytree(tree, tmp / SDIST_FILE.removesuffix(".tar.gz"), symlinks=True)
-            ident = dict(ident, source="tree (unpacked sdist, not hash-verified)")
-        tree = tmp / SDIST_FILE.removesuffix(".tar.gz")
-        apply_patches(tree, [PATCH_DIR / n for n in ident["patches"]])
+        tree, ident = prepare_tree(sdist, ident, tmp, tree)
         ident = dict(ident, build_key=build_key(ident),
                      built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         (tree / "llama_cpp" / IDENTITY_FILE).write_text(json.dumps(ident, indent=2, sort_keys=True))

@@ -116,13 +116,18 @@ def model_sha256(path: str | os.PathLike) -> str:
     cache, key, known = _file_cache(p, "model-hashes.json")
     if key in known:
         return known[key]
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    digest = h.hexdigest()
+    digest = file_sha256(p)
     _file_cache_store(cache, known, key, digest)
     return digest
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file, read in 4 MiB blocks (not cached)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)

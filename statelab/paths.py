@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,7 +34,7 @@ def temp_prefix(path: str | os.PathLike) -> str:
     return f".{Path(path).name}.{socket.gethostname()}-{os.getpid()}."
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
     try:
@@ -65,7 +66,7 @@ def clean_stale_temporaries(path: str | os.PathLike) -> list[Path]:
         if not e.name.startswith(prefix):
             continue
         m = _OWNER.match(e.name[len(prefix):])
-        if m is None or m["host"] != host or _process_alive(int(m["pid"])):
+        if m is None or m["host"] != host or process_alive(int(m["pid"])):
             continue
         if e.name.endswith(REPLACED) and not os.path.lexists(path):
             os.replace(e.path, path)
@@ -82,25 +83,121 @@ def clean_stale_temporaries(path: str | os.PathLike) -> list[Path]:
 
 
 @contextmanager
-def exclusive_lock(lock_file: str | os.PathLike, error: Callable[[str], Exception], what: str) -> Iterator[Path]:
+def exclusive_lock(lock_file: str | os.PathLike, error: Callable[[str], Exception], what: str,
+                   remove: str | None = None) -> Iterator[Path]:
     """Hold an exclusive OS lock (``flock``) on ``lock_file`` (created if missing) for the
     block; the lock dies with the process.  If another process holds it, raise
-    ``error(message)`` at once naming ``what`` and the holder's pid.  The file is never
-    removed (removing a lock file lets two processes lock two different files)."""
+    ``error(message)`` at once naming ``what`` and the holder's pid.  ``remove``: None keeps
+    the file, "created" removes it when the block ends if this call created it (a refused
+    command leaves a folder as it was), "always" removes it (a lock file of its own name).
+    Removal is safe: a lock is only held on the file the path names (a process that locked
+    a file removed meanwhile opens the path again)."""
     lock_file = Path(lock_file)
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    for _ in range(100):
+        try:
+            fd, created = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            try:
+                fd, created = os.open(lock_file, os.O_RDWR), False
+            except FileNotFoundError:  # removed in between: try again
+                continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
             raise error(f"{what} is in use by another statelab process ({holder}); wait for it to finish "
                         "or choose another folder") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            same = os.stat(lock_file).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the file was removed by its last holder: lock the one the path names now
+    else:  # pragma: no cover - a hundred removals in a row
+        raise error(f"{what}: cannot lock {lock_file}")
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         yield lock_file
     finally:
-        os.close(fd)  # releases the lock
+        try:
+            if remove == "always" or (remove == "created" and created):
+                try:
+                    os.unlink(lock_file)  # while still held: the next one creates (and locks) a new file
+                except FileNotFoundError:
+                    pass
+        finally:
+            os.close(fd)  # releases the lock
+
+
+def output_lock(path: str | os.PathLike, error: Callable[[str], Exception]):
+    """The lock of one output file or folder ``path`` (``.NAME-lock`` beside it, removed
+    again; one that a killed writer left is taken over and removed by the next): one writer
+    at a time; a second is refused at once with ``error``.  (Not ``.NAME.*``: those names
+    are the writers' temporaries.)"""
+    full = Path(os.path.abspath(path))  # "." and "dir/.." name a folder too
+    lock = full.parent / f".{full.name or 'root'}-lock"
+    return _output_lock(lock, error, path)
+
+
+@contextmanager
+def _output_lock(lock: Path, error: Callable[[str], Exception], path) -> Iterator[Path]:
+    try:
+        held = exclusive_lock(lock, error, f"output {path}", remove="always")
+        held.__enter__()
+    except OSError as e:  # a folder that cannot be written (missing, read-only, /proc...)
+        raise error(f"cannot write {path}: {e.strerror or e}") from None
+    try:
+        yield lock
+    except BaseException:
+        if not held.__exit__(*sys.exc_info()):
+            raise
+    else:
+        held.__exit__(None, None, None)
+
+
+_RENAME_NOREPLACE = 1
+
+
+def _renameat2():
+    import ctypes
+
+    try:
+        f = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return f
+
+
+def rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Rename ``src`` to ``dst`` unless ``dst`` exists (FileExistsError then), atomically
+    (``renameat2(RENAME_NOREPLACE)``; where the system lacks it: a hard link for a file, a
+    rename that the kernel refuses over a non-empty folder for a folder)."""
+    import ctypes
+    import errno
+
+    src, dst = os.fspath(src), os.fspath(dst)
+    f = _renameat2()
+    if f is not None:
+        AT_FDCWD = -100
+        if f(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        e = ctypes.get_errno()
+        if e not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise OSError(e, os.strerror(e), dst)
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+    if os.path.isdir(src):
+        os.rename(src, dst)
+    else:
+        os.link(src, dst)
+        os.unlink(src)
 
 
 def _process_umask() -> int:
@@ -115,11 +212,12 @@ _UMASK = _process_umask()
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, replace: bool = True) -> Iterator[Path]:
     """Yield a temporary path in ``path``'s folder (which must exist) for the caller to write;
     when the block ends without error the file is fsynced and renamed to ``path``, otherwise
     it is removed.  The file gets the mode of an ordinary new file (0666 less the umask), not
-    the 0600 of a temporary file."""
+    the 0600 of a temporary file.  ``replace=False``: an existing ``path`` (even one that
+    appeared meanwhile) is never replaced: FileExistsError, and the temporary is removed."""
     path = Path(path)
     clean_stale_temporaries(path)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
@@ -129,7 +227,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield Path(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            rename_noreplace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -138,10 +239,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, replace: bool = True) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
+    with atomic_path(path, replace) as tmp:
         tmp.write_bytes(data)
     return path
 

@@ -75,6 +75,7 @@ from pathlib import Path
 import numpy as np
 
 from statelab.errors import StatelabError
+from statelab.resources import data_dir
 from statelab.kvstate import (
     SWA_CHUNKED,
     SWA_SYMMETRIC,
@@ -105,7 +106,7 @@ _TERM_KEYS = ("selector", "layers", "layer_fraction", "component", "positions", 
 LAYER_KINDS = ("swa", "full")
 WINDOW_SIDES = ("inside", "outside")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_REPO_SELECTORS = Path(__file__).resolve().parent.parent / "selectors"
+_REPO_SELECTORS = data_dir("selectors")  # the checkout's selectors/, or the installed package's copy
 
 
 class SelectorError(StatelabError, ValueError):

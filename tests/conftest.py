@@ -1,15 +1,28 @@
-"""Shared fixtures: the real embedded model on CPU (session-scoped), HumanEval prompts."""
+"""Shared fixtures: the real embedded model on CPU (session-scoped), HumanEval prompts, the CLI
+in process (typer's runner) and in a subprocess, and the markers every test gets from what it uses.
+
+Tiers (markers are enforced: ``--strict-markers``; see the README's test section):
+``model`` the embedded model (the ``model`` fixture, or the model loaded any other way: a test
+that loads it without the mark fails), ``gemma`` the Gemma 3 package, ``cli`` a real ``statelab``
+subprocess (``cli_subprocess`` / ``run_cli_subprocess``), ``slow`` longer real-model runs."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
+import traceback
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 STATELAB = [sys.executable, "-m", "statelab.cli"]
+
+# fixture -> the markers a test that uses it gets
+FIXTURE_MARKS = {"model": ("model",), "gemma": ("model", "gemma"), "cli_subprocess": ("cli",)}
 
 
 @pytest.fixture(scope="session")
@@ -46,16 +59,71 @@ def he():
     return prompts.humaneval
 
 
-def run_cli(*args, env=None, timeout=600):
+# ------------------------------------------------------------------ the CLI
+
+
+def run_cli_subprocess(*args, env=None, timeout=600):
+    """``python -m statelab.cli ARGS`` in a new interpreter (tests marked ``cli``: the behaviour
+    is about processes, signals or the real entry point's exit status)."""
+    _require_mark("cli", "runs the CLI in a subprocess")
     e = dict(os.environ)
     e.update(env or {})
     return subprocess.run(STATELAB + [str(a) for a in args], capture_output=True, text=True, env=e,
                           timeout=timeout, cwd=REPO)
 
 
+PROCESS_ENV = {"PYTHONPATH", "LLAMA_CPP_LIB_PATH", "PYTHONHASHSEED", "LD_LIBRARY_PATH", "GGML_VK_VISIBLE_DEVICES"}
+
+
+def run_cli(*args, env=None, timeout=None):
+    """``statelab ARGS`` in this process: the entry point :func:`statelab.cli.main.main` itself
+    (the same one-line errors and exit statuses 0/1/2/130) under typer's ``CliRunner``
+    isolation (stdout, stderr and the ``env`` overrides captured and restored), run from the
+    repository root like the subprocess.  Returns a ``CompletedProcess`` like
+    :func:`run_cli_subprocess`; ``timeout`` is accepted for the same signature (pytest-timeout
+    bounds the test)."""
+    import importlib
+
+    from typer.testing import CliRunner
+
+    cli_main = importlib.import_module("statelab.cli.main")  # the module (statelab.cli.main is also the function)
+
+    if set(env or ()) & PROCESS_ENV:
+        raise ValueError(f"{sorted(set(env) & PROCESS_ENV)} act when an interpreter starts: use run_cli_subprocess")
+    argv = ["statelab", *(str(a) for a in args)]
+    saved = sys.argv, os.getcwd(), sys.unraisablehook, signal.getsignal(signal.SIGINT)
+    code = 0
+    with CliRunner().isolation(env=env) as (out, err, _):
+        sys.argv = argv
+        os.chdir(REPO)
+        try:
+            cli_main.main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except Exception:  # what the interpreter does with an uncaught error: the traceback, status 1
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.argv, cwd, sys.unraisablehook, sigint = saved
+            os.chdir(cwd)
+            if sigint is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, sigint)
+            with contextlib.suppress(ValueError):
+                sys.stdout.flush(), sys.stderr.flush()
+        stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    return subprocess.CompletedProcess(argv, code, stdout, stderr)
+
+
 @pytest.fixture
 def cli():
+    """The CLI in process (:func:`run_cli`)."""
     return run_cli
+
+
+@pytest.fixture
+def cli_subprocess():
+    """The CLI in a new interpreter (:func:`run_cli_subprocess`); the test gets the ``cli`` mark."""
+    return run_cli_subprocess
 
 
 def one_line_error(r, *needles):
@@ -67,3 +135,99 @@ def one_line_error(r, *needles):
     for n in needles:
         assert n in lines[0], lines[0]
     return lines[0]
+
+
+# ------------------------------------------------------------------ markers from what a test uses
+
+_current: list = []  # the test item running now
+
+
+def _require_mark(name: str, what: str) -> None:
+    if _current and _current[-1].get_closest_marker(name) is None:
+        pytest.fail(f"{_current[-1].nodeid} {what}: mark it @pytest.mark.{name}", pytrace=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for fixture in getattr(item, "fixturenames", ()):
+            for mark in FIXTURE_MARKS.get(fixture, ()):
+                if item.get_closest_marker(mark) is None:
+                    item.add_marker(mark)
+
+
+_model_loads = [0]
+
+
+def pytest_configure(config):
+    """Count model loads (statelab.runtime.Model), so that a test that loads a model without
+    the ``model`` mark fails: ``-m "not model"`` stays the tier without a model."""
+    try:
+        from statelab.runtime import context
+    except ImportError:  # no native build: the model tests cannot run anyway
+        return
+    init = context.Model.__init__
+
+    def counted(self, *a, **k):
+        _model_loads[0] += 1
+        return init(self, *a, **k)
+
+    context.Model.__init__ = counted
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    _current.append(item)
+    before = _model_loads[0]
+    try:
+        res = yield
+    finally:
+        _current.pop()
+    if _model_loads[0] != before and item.get_closest_marker("model") is None:
+        pytest.fail(f"{item.nodeid} loads a model: mark it @pytest.mark.model", pytrace=False)
+    return res
+
+
+# ------------------------------------------------------------------ golden runs started early
+
+# The golden speculative campaign runs its timed blocks one at a time on one thread, for minutes:
+# when its test is selected it starts with the session, beside the other tests, and its test
+# compares what it wrote (tests/test_golden.py, golden_output).  While it runs, the tests'
+# contexts default to one thread (STATELAB_THREADS; ggml's threads spin-wait on a busy core).
+BACKGROUND_GOLDEN = ("spec-cpu",)
+_golden_started: dict = {}  # kind -> (process, output folder)
+
+
+def pytest_collection_finish(session):
+    import tempfile
+
+    wanted = {item.callspec.params.get("kind") for item in session.items
+              if item.path.name == "test_golden.py" and hasattr(item, "callspec")}
+    for kind in BACKGROUND_GOLDEN:
+        if kind in wanted and not session.config.option.collectonly:
+            from golden_outputs import start
+
+            os.environ.setdefault("STATELAB_THREADS", "1")
+            out = Path(tempfile.mkdtemp(prefix="statelab-golden-")) / kind
+            _golden_started[kind] = (start(kind, out), out)
+
+
+def golden_output(kind: str, tmp_path: Path) -> Path:
+    """The output folder of the golden run ``kind``: the one started with the session, or a
+    run now into ``tmp_path``."""
+    from golden_outputs import finish, run
+
+    if kind in _golden_started:
+        proc, out = _golden_started[kind]
+        return finish(proc, out)
+    return run(kind, tmp_path / kind)
+
+
+def pytest_sessionfinish(session):
+    import shutil
+
+    from golden_outputs import stop
+
+    for proc, out in _golden_started.values():
+        stop(proc)
+        shutil.rmtree(out.parent, ignore_errors=True)
+    _golden_started.clear()

@@ -161,16 +161,41 @@ def _campaign_md(s: str, paths) -> list[str]:
     return keep
 
 
-def run(kind: str, out: Path, python: str = sys.executable, env: dict | None = None, extra: tuple = ()) -> Path:
-    """Run one of the three with the ``statelab`` that ``python`` imports (PYTHONPATH decides);
-    ``extra``: more command-line options (e.g. another executor)."""
+def start(kind: str, out: Path, python: str = sys.executable, env: dict | None = None,
+          extra: tuple = ()) -> subprocess.Popen:
+    """Start one of the three with the ``statelab`` that ``python`` imports (PYTHONPATH decides);
+    ``extra``: more command-line options (e.g. another executor).  :func:`finish` waits for it."""
     cmd = [python, "-m", "statelab.cli", *STUDIES[kind][:2], str(REPO / STUDIES[kind][2]), "--out", str(out), *extra]
     e = dict(os.environ if env is None else env)
     e.setdefault("STATELAB_THREADS", "1")
-    r = subprocess.run(cmd, cwd=str(REPO), env=e, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}: {r.stderr.strip()[-2000:]}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.stderr", "w") as err:  # a file: a pipe could fill while nobody reads
+        return subprocess.Popen(cmd, cwd=str(REPO), env=e, stdout=subprocess.DEVNULL, stderr=err, text=True,
+                                start_new_session=True)  # its own process group: stop() ends its workers too
+
+
+def finish(proc: subprocess.Popen, out: Path) -> Path:
+    out = Path(out)
+    if proc.wait() != 0:
+        err = (out.parent / f"{out.name}.stderr").read_text()
+        raise RuntimeError(f"{' '.join(proc.args)} exited {proc.returncode}: {err.strip()[-2000:]}")
     return out
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a run that :func:`start` started, with the processes it started."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def run(kind: str, out: Path, python: str = sys.executable, env: dict | None = None, extra: tuple = ()) -> Path:
+    """Run one of the three (see :func:`start`) and wait for it."""
+    return finish(start(kind, out, python, env, extra), out)
 
 
 def main(argv=None) -> int:

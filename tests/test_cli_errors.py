@@ -27,11 +27,11 @@ def test_cap_zero(cli):
     one_line_error(cli("generate", "-p", "hi", "--cap", "0"), "output cap")
 
 
-def test_missing_native_build(cli, tmp_path):
+def test_missing_native_build(cli_subprocess, tmp_path):
     """A llama_cpp whose shared library cannot be loaded, as after a broken install."""
     fake = tmp_path / "llama_cpp"
     fake.mkdir()
     (fake / "__init__.py").write_text(
         "raise FileNotFoundError('Shared library with base name \"llama\" not found')\n")
-    r = cli("doctor", env={"PYTHONPATH": str(tmp_path)})
+    r = cli_subprocess("doctor", env={"PYTHONPATH": str(tmp_path)})
     one_line_error(r, "native library failed to load", "install.sh")

@@ -19,7 +19,7 @@ from statelab.lab.archive import ArchiveError, check_capture_dest
 from statelab.runtime.native import BACKENDS, check_backend
 
 COMMANDS = ["doctor", "generate", "capture", "continue", "sham", "cross", "diff", "import-state", "export-state",
-            "sweep", "demo", "replay", "locate", "study", "model", "spec", "frontier", "audit"]
+            "sweep", "demo", "replay", "locate", "slot", "study", "model", "spec", "frontier", "audit"]
 
 
 def test_commands_stand_in_help_order_and_the_start_is_light():
@@ -76,14 +76,14 @@ def test_audit_report_and_masks_are_written_whole(tmp_path):
 
 
 @pytest.mark.model
-def test_sham_control_and_replay_report(tmp_path):
+def test_sham_control_and_replay_report(tmp_path, model):
     from statelab import prompts
     from statelab.audit.replay import replay_layer, replay_report
     from statelab.experiments.partition import sham_control
     from statelab.lab.formation import form, parse_schedule
-    from statelab.runtime import ContextConfig, Model
+    from statelab.runtime import ContextConfig
 
-    m, base = Model(None), ContextConfig(n_threads=1)
+    m, base = model, ContextConfig(n_threads=1)
     p = prompts.resolve("text:def add(a, b):\n    return a + b")
     c = form(m, p, parse_schedule("ub4"), base)
     ep, fd = sham_control(m, c, 4)

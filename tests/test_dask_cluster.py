@@ -84,6 +84,8 @@ def _records(out: Path) -> dict[str, dict]:
             for r in CellLog(out / "cells.jsonl").records()}
 
 
+@pytest.mark.cli
+@pytest.mark.timeout(3600)  # its own deadlines: 900 s for the kill, 1800 s per study run
 @pytest.mark.model
 @pytest.mark.slow
 def test_ci_study_on_a_real_dask_cluster_survives_a_killed_worker(tmp_path):

@@ -139,6 +139,7 @@ def test_panel_components_split():
 # ------------------------------------------------------------------ spec pieces
 
 
+@pytest.mark.model  # the spec's chat: prompts are rendered with the model's template
 def test_selector_patterns_expand_and_unmatched_is_one_line(tmp_path):
     from statelab.experiments.matrix import StudyError, load_spec
 

@@ -10,14 +10,12 @@ from __future__ import annotations
 import io
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import one_line_error
+from conftest import one_line_error, run_cli
 from statelab.experiments.frontier_panels import FrontierRunError, load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,11 +74,7 @@ def run_dir(tmp_path_factory):
     spec = base / "spec.toml"
     spec.write_text(SPEC)
     out = base / "run"
-    import os
-
-    env = dict(os.environ, **THREADS)
-    r = subprocess.run([sys.executable, "-m", "statelab.cli", "frontier", "run", str(spec), "--out", str(out)],
-                       capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    r = run_cli("frontier", "run", spec, "--out", out, env=THREADS)
     assert r.returncode == 0, r.stderr
     return out, r
 
@@ -153,12 +147,12 @@ def _no_native(tmp_path: Path) -> dict:
 
 
 @pytest.mark.model
-def test_analyse_reproduces_without_model(run_dir, tmp_path, cli):
+def test_analyse_reproduces_without_model(run_dir, tmp_path, cli_subprocess):
     from statelab.analysis import frontier as F
 
     out, _ = run_dir
     copy = _copy(out, tmp_path / "copy")
-    r = cli("frontier", "analyse", copy, env=_no_native(tmp_path))
+    r = cli_subprocess("frontier", "analyse", copy, env=_no_native(tmp_path))
     assert r.returncode == 0, r.stderr
     a, b = F.load_results(out / "results.nc"), F.load_results(copy / "results.nc")
     assert a.identical(b)
@@ -179,11 +173,11 @@ def _write_manifest(folder: Path, m: dict) -> None:
 
 
 @pytest.mark.model
-def test_bad_stored_traces_give_one_line_errors(run_dir, tmp_path, cli):
+def test_bad_stored_traces_give_one_line_errors(run_dir, tmp_path, cli, cli_subprocess):
     import hashlib
 
     out, _ = run_dir
-    env = _no_native(tmp_path)
+    env = None  # the rest in process: without llama_cpp once here and in test_analyse_reproduces_without_model
     unit = Path("traces/HumanEval_86/A-R/r1")
 
     # traces of another model mixed into the panel
@@ -191,8 +185,8 @@ def test_bad_stored_traces_give_one_line_errors(run_dir, tmp_path, cli):
     m = _manifest(c / unit)
     m["model_sha256"] = "0" * 64
     _write_manifest(c / unit, m)
-    one_line_error(cli("frontier", "analyse", c, env=env), "HumanEval/86 A->R panel POSITION:",
-                   "traces of different models mixed in one panel")
+    one_line_error(cli_subprocess("frontier", "analyse", c, env=_no_native(tmp_path)),
+                   "HumanEval/86 A->R panel POSITION:", "traces of different models mixed in one panel")
 
     # traces of another prompt mixed into the panel
     c = _copy(out, tmp_path / "prompt")

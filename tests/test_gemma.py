@@ -109,7 +109,7 @@ def test_api_dataset_and_diff_are_in_model_layer_order(arms):
 
 @pytest.mark.parametrize("selector, layers", [("FULL", FULL_LAYERS), ("SWA", SWA_LAYERS)])
 def test_subset_cross_of_one_cache_kind(gemma, arms, selector, layers):
-    (ca, ea), (cr, er) = arms["A"], arms["R"]
+    (ca, _), (cr, _) = arms["A"], arms["R"]
     sel = select(load_selector(selector), cr.state)
     ep, acc = subset_cross(gemma, ca, cr, sel, CAP)
     assert acc.verified and acc.selected_bytes == sel.selected_bytes > 0

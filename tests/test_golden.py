@@ -2,15 +2,17 @@
 give the same records and reports (timings, paths, pids and hosts aside) as the golden
 files in tests/golden/, made by ``tests/golden_outputs.py`` from the code before the fork
 server and the experiment engine (commit 040dab2).  Run time in the whole suite on the shared
-2-core machine: ci 36 s, frontier-ci 37 s, spec-cpu 260 s (42 timed blocks run one at a time)."""
+2-core machine: ci 36 s, frontier-ci 37 s, spec-cpu 260 s (42 timed blocks run one at a time, on
+one core: it starts with the session and runs beside the other tests, see conftest.py)."""
 import difflib
 import json
 
 import pytest
 
+from conftest import golden_output
 from golden_outputs import STUDIES, golden, normalise, run
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.cli]
 
 
 def _diff(want, got, limit: int = 40) -> str:
@@ -22,7 +24,7 @@ def _diff(want, got, limit: int = 40) -> str:
 @pytest.mark.parametrize("kind", sorted(STUDIES))
 def test_outputs_equal_the_golden_files(kind, tmp_path):
     want = golden(kind)
-    got = normalise(run(kind, tmp_path / kind), kind)
+    got = normalise(golden_output(kind, tmp_path), kind)
     assert sorted(got) == sorted(want), f"{kind}: other files: {sorted(set(got) ^ set(want))}"
     for name in want:
         assert got[name] == want[name], f"{kind}/{name} differs:\n{_diff(want[name], got[name])}"

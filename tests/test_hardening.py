@@ -377,6 +377,7 @@ def raced(tmp_path_factory):
     return s8, out, subprocess.CompletedProcess(first.args, first.returncode, o, e), second
 
 
+@pytest.mark.cli
 @pytest.mark.model
 def test_two_runs_on_one_folder_one_is_refused(raced):
     _, out, first, second = raced
@@ -398,6 +399,7 @@ def _mapped(pid: int, path: str) -> bool:
         return False
 
 
+@pytest.mark.cli
 @pytest.mark.model
 def test_ctrl_c_exits_130_with_one_line():
     from statelab.models import default_model_path
@@ -462,6 +464,7 @@ def test_capture_cleans_the_folder_a_killed_capture_left(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["OUT"]
 
 
+@pytest.mark.cli
 @pytest.mark.model
 def test_study_report_cleans_a_results_temporary(raced, tmp_path):
     _, out, _, _ = raced

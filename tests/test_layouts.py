@@ -105,11 +105,13 @@ def unpatched_lib(tmp_path_factory):
     return d / "llama_cpp" / "lib"
 
 
-def test_mq_layout_matches_the_unpatched_library(unpatched_lib, cli):
+@pytest.mark.slow  # builds the library with the patch series up to 0001 (cached by source hash)
+@pytest.mark.timeout(3600)  # the build, on 2 cores, when no cached wheel exists
+def test_mq_layout_matches_the_unpatched_library(unpatched_lib, cli, cli_subprocess):
     args = ("generate", "-H", "2", "--cap", "24", "--schedule", "ub4", "--json")
     patched = cli(*args)
-    base = cli(*args, env={"LLAMA_CPP_LIB_PATH": str(unpatched_lib)})
+    base = cli_subprocess(*args, env={"LLAMA_CPP_LIB_PATH": str(unpatched_lib)})
     assert patched.returncode == 0 and base.returncode == 0, base.stderr
-    check = cli("doctor", env={"LLAMA_CPP_LIB_PATH": str(unpatched_lib)})
+    check = cli_subprocess("doctor", env={"LLAMA_CPP_LIB_PATH": str(unpatched_lib)})
     assert check.returncode == 0 and "lib_override" in check.stdout
     assert json.loads(patched.stdout)["tokens"] == json.loads(base.stdout)["tokens"]

@@ -148,6 +148,7 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
+@pytest.mark.cli
 @pytest.mark.model
 def test_ci_study_killed_and_resumed(tmp_path, model):
     out = tmp_path / "ci"

@@ -76,7 +76,7 @@ print(json.dumps({q: {lo: device_refusal(m, lo, q) for lo in ("QB", "QB+W", "PQ"
 """
 
 
-def test_qb_is_reported_not_admitted_on_vulkan(vulkan_device, cli):
+def test_qb_is_reported_not_admitted_on_vulkan(vulkan_device, cli_subprocess):
     """ggml-vulkan rejects QB's two products (src0 ne3 1, src1 ne3 q); the scheduler would silently run
     them on the CPU, so speculative arms report QB as not admitted, with the shapes, instead of running."""
     r = _run(REFUSAL, 300)
@@ -88,7 +88,9 @@ def test_qb_is_reported_not_admitted_on_vulkan(vulkan_device, cli):
         assert why.startswith("not admitted on Vulkan:") and "qk MUL_MAT (64,256,3,1) x (64,1,9,4)" in why, why
         assert "av MUL_MAT (256,64,3,1) x (256,1,9,4)" in why, why
     assert res["4"]["PQ"] is None and res["4"]["GS"] is None
-    s = cli("spec", "run", "-p", "def add(a, b):", "--cap", "1", "--arms", "R,M_QB", "--backend", "vulkan", timeout=900)
+    # a new process: lavapipe is visible only if GGML_VK_VISIBLE_DEVICES is set before ggml registers its backends
+    s = cli_subprocess("spec", "run", "-p", "def add(a, b):", "--cap", "1", "--arms", "R,M_QB", "--backend", "vulkan",
+                       timeout=900)
     assert s.returncode == 0, s.stderr[-2000:]
     assert "M_QB: not admitted on Vulkan" in " ".join(s.stderr.split())
     assert "M_QB" not in s.stdout

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from statelab.analysis.classes import first_difference
+from statelab.errors import script_main
 from statelab.paths import atomic_write_text
 
 
@@ -75,4 +76,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

@@ -22,6 +22,13 @@
 #                      (builds the series up to 0003 too, about 4.5 min); the section in $OUT/state_import.txt
 #   findings-wait S    wait at most S seconds for it, print its progress; once it has ended, its
 #                      results in $OUT/findings_cuda.tgz
+#   exact              patch 0005 (row-invariance hint) on CUDA: audit matmul with the hinted column (both
+#                      models), the locator ub1 against ub8:QB and ub8:MQ (both models), the n-gram campaign at
+#                      k 7 (8-row verifies) on SmolLM2 and Gemma 3 with the verify-cost sweep by rows (1..8) in QB,
+#                      and the same sweep in MQ (arm C0); results in $OUT/exact.tgz
+#   wheel-out          the CUDA wheel built here, in parts of 15 MiB under $OUT (a later session carries them
+#                      back as .dev/cudawhl/ instead of building again: see `wheel-in`)
+#   wheel-in           install the wheel carried back in .dev/cudawhl/ (parts joined, sha256 checked)
 set -uo pipefail
 . "$(dirname "$0")/common.sh"
 case "${1:-}" in
@@ -65,5 +72,37 @@ case "${1:-}" in
     python3 benchmarks/state_import.py --backend cuda --tree $W/llama_cpp_python-0.3.36 --no-write 2>&1 \
       | tee "$OUT/state_import.txt" | tail -20
     ;;
-  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|drafter [SPEC]|weights [audit|qualify|locate|campaign]|findings-start|findings-wait S|import-bench" >&2; exit 2 ;;
+  exact)
+    R=$OUT/exact; mkdir -p "$R"
+    SMOL=$W/model.gguf GEMMA=$W/gemma.gguf OUT=$R bash benchmarks/device/cuda_weights.sh audit > "$R/audit.log" 2>&1
+    grep -h "cases computed" "$R"/matmul_*.txt
+    for m in smollm2:$W/model.gguf gemma3:$W/gemma.gguf; do
+      for b in ub8:QB ub8:MQ ub4:QB; do
+        echo "== ${m%%:*} ub1 vs $b" >> "$R/locate.txt"
+        sl locate -H 2 --model "${m#*:}" --backend cuda -a ub1 -b "$b" --out "$R/locate_${m%%:*}_${b/:/_}" 2>&1 | tail -6 >> "$R/locate.txt"
+      done
+    done
+    tail -n 60 "$R/locate.txt"
+    sed -e 's/^k = 3/k = 7/' studies/spec-cuda-ngram.toml > "$R/spec-cuda-ngram-k7.toml"
+    sed -e "s#^backend = \"cuda\"#backend = \"cuda\"\nmodel = \"$W/gemma.gguf\"#" "$R/spec-cuda-ngram-k7.toml" > "$R/spec-cuda-gemma-k7.toml"
+    sed -e 's/^arms = .*/arms = ["R", "C0"]/' -e 's/^ratios = .*/ratios = [["R", "C0"]]/' -e 's/^sessions = 3/sessions = 1/' \
+      "$R/spec-cuda-ngram-k7.toml" > "$R/spec-cuda-mq-k7.toml"
+    for s in ngram-k7 gemma-k7 mq-k7; do
+      python3 benchmarks/speculative.py "$R/spec-cuda-$s.toml" --rows --no-write --out "$W/c-$s" 2>&1 | tee "$R/campaign-$s.txt" | tail -25
+      cp -r "$W/c-$s" "$R/"
+    done
+    tar -czf "$OUT/exact.tgz" -C "$OUT" exact
+    ;;
+  wheel-out)
+    whl=$(tail -1 $W/build.log); ls -la "$whl"; sha256sum "$whl" | tee "$OUT/cudawhl.sha256"
+    split -b 15M -d -a 1 "$whl" "$OUT/cudawhl.part"; echo "$(basename "$whl")" > "$OUT/cudawhl.name"; ls -la "$OUT"
+    ;;
+  wheel-in)
+    mkdir -p $W /opt/site; n=$(cat .dev/cudawhl/cudawhl.name)
+    cat .dev/cudawhl/cudawhl.part* > "$W/$n" && (cd $W && sed "s#  .*#  $n#" "$OLDPWD/.dev/cudawhl/cudawhl.sha256" | sha256sum -c) || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site .dev/whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site --upgrade "$W/$n" && echo "$W/$n" >> $W/build.log
+    echo 0 > $W/build.rc
+    ;;
+  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|drafter [SPEC]|weights [audit|qualify|locate|campaign]|findings-start|findings-wait S|import-bench|exact|wheel-out|wheel-in" >&2; exit 2 ;;
 esac

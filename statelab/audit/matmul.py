@@ -9,11 +9,14 @@ on CPU, which llama.cpp tries first), one ggml graph computes for q = 1..max_q:
 
 * native: ``mul_mat(W, X_q)`` with X_q the first q rows of a fixed random F32 input, one
   [K, q] tensor (what a q-row micro-batch does);
+* hinted: ``mul_mat(W, X_q)`` carrying the row-invariance hint (op_params[2] = 1, what
+  native/patches/0005 puts on every weight product of a context with row-invariant kernels: the
+  QB/PQ layouts); backends without a row-count-dependent kernel ignore it (then hinted = native);
 * repaired: for each row j a view of row j of X_q, ``mul_mat(W, view)``, concatenated in row
   order (exactly what native/patches/0003 builds for the "+W" layouts);
 * reference: ``mul_mat(W, x_j)`` with x_j its own [K, 1] tensor (what a 1-row micro-batch does).
 
-Row j of native (resp. repaired) is compared bitwise (``tobytes``) with reference j; max |d|
+Row j of native (resp. hinted, repaired) is compared bitwise (``tobytes``) with reference j; max |d|
 only describes a difference. A buffer type that does not accept the weight type (e.g. a
 type CPU_REPACK cannot repack on this CPU) is reported as such, not computed.
 """
@@ -30,6 +33,7 @@ from statelab.runtime.native import devices_for_backend
 
 MAX_Q = 8
 SEED = 0
+ROW_INVARIANT_HINT = 1  # MUL_MAT op_params[2] of native/patches/0005-row-invariant-kernels.patch
 
 
 @dataclass(frozen=True)
@@ -88,9 +92,9 @@ def _inputs(k: int, max_q: int) -> np.ndarray:
 def audit_case(case: WeightCase, device, buft_name: str, buft, max_q: int = MAX_Q,
                threads: int | None = None) -> dict:
     """Compute one case on one device and buffer type. Returns {"status", "native": [bool]*max_q,
-    "repaired": [...], "native_max_abs": [...], "repaired_max_abs": [...]} (index q-1)."""
+    "hinted": [...], "repaired": [...], "native_max_abs": [...], ...} (index q-1)."""
     x = _inputs(case.k, max_q)
-    n_tensors = 8 + 6 * max_q * (max_q + 2)
+    n_tensors = 8 + 6 * max_q * (max_q + 3)
     with OpGraph(max_tensors=n_tensors) as g:
         w = g.new_tensor(type_code(case.type_name), (case.k, case.rows), "W")
         ins = {}
@@ -99,11 +103,13 @@ def audit_case(case: WeightCase, device, buft_name: str, buft, max_q: int = MAX_
             xj = g.new_tensor("f32", (case.k, 1), f"x{j}")
             ins[xj] = x[j:j + 1]
             refs.append(g.mul_mat(w, xj, f"ref{j}", prec_f32=False))
-        native, repaired = [], []
+        native, hinted, repaired = [], [], []
         for q in range(1, max_q + 1):
             xq = g.new_tensor("f32", (case.k, q), f"X{q}")
             ins[xq] = x[:q]
             native.append(g.mul_mat(w, xq, f"native{q}", prec_f32=False))
+            hinted.append(g.mul_mat(w, xq, f"hinted{q}", prec_f32=False))
+            hinted[-1].set_op_params([0, 0, ROW_INVARIANT_HINT])  # [0] precision, [1] ggml op hint: defaults
             out = None
             for j in range(q):
                 view = g.view_4d(xq, (case.k, 1, 1, 1), (xq.nb[1], xq.nb[1], xq.nb[1]), j * xq.nb[1])
@@ -112,14 +118,14 @@ def audit_case(case: WeightCase, device, buft_name: str, buft, max_q: int = MAX_
             repaired.append(out)
         if buft is not None:
             g.place(w, buft)
-        ops = refs + native + repaired
+        ops = refs + native + hinted + repaired
         if not all(g.supports(device.handle, o) for o in ops):
             return {"status": f"not accepted by {device.name} with the weight in {buft_name}"}
         ins[w] = case.data
         res = g.compute(ops, ins, device=device, threads=threads)
     ref = [res[f"ref{j}"].reshape(-1) for j in range(max_q)]
     out = {"status": "computed"}
-    for kind, tensors in (("native", native), ("repaired", repaired)):
+    for kind, tensors in (("native", native), ("hinted", hinted), ("repaired", repaired)):
         eq, mx = [], []
         for q, t in enumerate(tensors, start=1):
             got = res[t.name].reshape(q, case.rows)
@@ -161,6 +167,8 @@ def run_matmul_audit(model_path, devices=None, max_q: int = MAX_Q, max_rows: int
 
     ds = xr.Dataset(
         {"native_equal": (("case", "q"), col("native", False)),
+         "hinted_equal": (("case", "q"), col("hinted", False)),
+         "hinted_max_abs": (("case", "q"), col("hinted_max_abs", np.nan)),
          "repaired_equal": (("case", "q"), col("repaired", False)),
          "native_max_abs": (("case", "q"), col("native_max_abs", np.nan)),
          "repaired_max_abs": (("case", "q"), col("repaired_max_abs", np.nan)),
@@ -194,21 +202,23 @@ def matmul_markdown(ds) -> str:
              f"Model {ds.attrs['model']} (sha256 {ds.attrs['model_sha256'][:12]}), first {ds.attrs['max_rows']} "
              "output rows of one tensor per (type, K), fixed random F32 input rows. Bitwise per row.", "",
              "| device | buffer type | weight type | K | tensor | q where native = 1-row | max abs d (native) "
-             "| q where repaired = 1-row |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| q where hinted = 1-row | q where repaired = 1-row |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i in ds.case.values:
         c = ds.sel(case=i)
         head = f"| {c.device.item()} | {c.buffer_type.item()} | {c.weight_type.item()} | {int(c.k)} | {c.tensor.item()} |"
         if not bool(c.computed):
-            lines.append(f"{head} {c.status.item()} | | |")
+            lines.append(f"{head} {c.status.item()} | | | |")
             continue
         mx = float(np.nanmax(c.native_max_abs.values))
         lines.append(f"{head} {_qs_text(c.native_equal.values, qs)} | {mx:.3g} | "
-                     f"{_qs_text(c.repaired_equal.values, qs)} |")
+                     f"{_qs_text(c.hinted_equal.values, qs)} | {_qs_text(c.repaired_equal.values, qs)} |")
     n = int(ds.computed.sum())
     inv = int(ds.native_equal.all("q").where(ds.computed, False).sum())
+    hint = int(ds.hinted_equal.all("q").where(ds.computed, False).sum())
     rep = int(ds.repaired_equal.all("q").where(ds.computed, False).sum())
-    lines += ["", f"{n} cases computed: {inv} row-count-invariant without the repair, {rep} with it."]
+    lines += ["", f"{n} cases computed: {inv} row-count-invariant without the repair, {hint} with the "
+              f"row-invariance hint (patch 0005), {rep} with the row-by-row repair."]
     return "\n".join(lines) + "\n"
 
 

@@ -16,18 +16,28 @@ from rich.console import Console
 
 from statelab.errors import one_of
 from statelab.limits import MAX_THREADS
-from statelab.runtime.native import BACKENDS
+from statelab.runtime.native import BACKENDS, check_backend
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="KV-state formation, intervention and transplantation on llama.cpp.")
 console = Console(width=None if sys.stdout.isatty() else 160)  # logs keep whole table rows
 err = Console(stderr=True)
 
+
+
+def backend_name(value: Optional[str]) -> Optional[str]:
+    """The one parser of every backend option: a name of BACKENDS (or None where the option
+    may be left out); anything else is one line naming them (ConfigError)."""
+    return None if value is None else check_backend(value)
+
+
 ModelOpt = typer.Option(None, "--model", "-m", help="GGUF model file (default: the embedded SmolLM2-135M-Instruct)")
 CaptureModelOpt = typer.Option(None, "--model", "-m", help="GGUF model file or short name (default: the capture's "
                                "recorded model, found by path or short name and checked by sha256)")
-BackendOpt = typer.Option("cpu", "--backend", "-b", help=one_of(BACKENDS))
-BackendLongOpt = typer.Option("cpu", "--backend", help=one_of(BACKENDS))  # where -b means something else
+BackendOpt = typer.Option("cpu", "--backend", "-b", help=one_of(BACKENDS), callback=backend_name)
+BackendLongOpt = typer.Option("cpu", "--backend", help=one_of(BACKENDS), callback=backend_name)  # where -b means something else
+SourceBackendOpt = typer.Option(None, "--source-backend", callback=backend_name,
+                                help=f"the backend that formed the state, when known ({one_of(BACKENDS)})")
 CapOpt = typer.Option(128, "--cap", help="output cap (generated tokens)")
 ThreadsOpt = typer.Option(0, "--threads", min=0, max=MAX_THREADS, help="CPU threads (0: all cores)")
 CtxOpt = typer.Option(1024, "--n-ctx", help="context size")

@@ -9,11 +9,11 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from statelab.cli.common import ModelOpt, app, console
+from statelab.cli.common import ModelOpt, app, backend_name, console
 
 
 @app.command()
-def doctor(model: Optional[Path] = ModelOpt, backend: str = typer.Option(None, "--backend", "-b",
+def doctor(model: Optional[Path] = ModelOpt, backend: str = typer.Option(None, "--backend", "-b", callback=backend_name,
            help="also load the model on this backend")):
     """Build identity, backends and devices, and the model's metadata."""
     from statelab.models import read_model_info

@@ -38,12 +38,11 @@ def frontier_run_(spec: Path = typer.Argument(..., help="frontier spec (studies/
 @frontier_app.command("analyse")
 def frontier_analyse_(results_dir: Path = typer.Argument(..., help="a frontier run folder")):
     """Recompute the dataset, tables and plots from the stored traces (no model is loaded)."""
-    from statelab.experiments.frontier_panels import analyse_run, write_outputs
+    from statelab.experiments.frontier_panels import reanalyse
     from statelab.report import frontier_page
 
-    r = analyse_run(results_dir)
-    paths = write_outputs(results_dir, r)
+    r, paths, page = reanalyse(results_dir, frontier_page)
     a = r.agreement.attrs
     print_text(f"{results_dir}: {r.n_frontiers} panel repeat(s) with a frontier; repeats agree on "
                f"{a['n_agree']} of {a['n_compared']} compared contrasts")
-    print_text(f"report: {paths['report']}, {frontier_page(results_dir, r.ds)}\nresults: {paths['results']}")
+    print_text(f"report: {paths['report']}, {page}\nresults: {paths['results']}")

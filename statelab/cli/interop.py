@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from statelab.cli.common import (BackendOpt, CtxOpt, HumanEvalOpt, ModelOpt, PromptFileOpt, PromptOpt, ThreadsOpt,
-                                 app, console, load_capture_dir, optional_prompt, setup)
+                                 SourceBackendOpt, app, console, load_capture_dir, optional_prompt, setup)
 
 
 @app.command("import-state")
@@ -20,8 +20,7 @@ def import_state(file: Path = typer.Argument(..., help="llama.cpp state file (ll
                  humaneval: Optional[str] = HumanEvalOpt, prompt_file: Optional[Path] = PromptFileOpt,
                  logits: str = typer.Option("none", "--logits", help="none (the file holds none) or recompute "
                                             "(re-evaluate the last token in a recipient context on --backend)"),
-                 backend: str = BackendOpt, source_backend: Optional[str] = typer.Option(
-                     None, "--source-backend", help="the backend that formed the state, when known"),
+                 backend: str = BackendOpt, source_backend: Optional[str] = SourceBackendOpt,
                  threads: int = ThreadsOpt, n_ctx: int = CtxOpt,
                  flash_attn: Optional[bool] = typer.Option(
                      None, "--flash-attn/--no-flash-attn", help="the recipient's attention (default: from the state: "

@@ -14,8 +14,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from statelab.cli.common import (BackendOpt, CapOpt, CaptureModelOpt, CtxOpt, HumanEvalOpt, JsonOpt, ModelOpt,
-                                 PromptFileOpt, PromptOpt, ThreadsOpt, app, console, load_capture_dir, model_for,
-                                 print_endpoint, prompt_of, setup)
+                                 PromptFileOpt, PromptOpt, ThreadsOpt, app, backend_name, console, load_capture_dir,
+                                 model_for, print_endpoint, prompt_of, setup)
 
 
 @app.command()
@@ -77,7 +77,7 @@ def capture(out: Path = typer.Argument(..., help="output folder (must not exist)
 @app.command("continue")
 def continue_(capture_dir: Path = typer.Argument(..., help="a capture folder"), cap: int = CapOpt,
               model: Optional[Path] = CaptureModelOpt, backend: Optional[str] = typer.Option(
-                  None, "--backend", "-b", help="recipient backend (default: the capture's)"),
+                  None, "--backend", "-b", callback=backend_name, help="recipient backend (default: the capture's)"),
               allow_backend: bool = typer.Option(False, "--allow-backend", help="allow another backend"),
               json_out: bool = JsonOpt):
     """Continue greedily from a capture through the common receiver."""

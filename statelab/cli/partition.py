@@ -18,18 +18,45 @@ from statelab.paths import atomic_write_text
 @app.command()
 def sweep(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEvalOpt,
           prompt_file: Optional[Path] = PromptFileOpt, schedules: Optional[str] = typer.Option(
-              None, "--schedules", help="comma list (default: A then the partition sweep)"),
+              None, "--schedules", help="comma list, or 'paper' (the 19 schedules of the paper's kinds; "
+              "prompts > 130 tokens); default: A then the partition sweep"),
+          tasks: Optional[str] = typer.Option(None, "--tasks", help="comma list of prompts (HumanEval/N, chat:FILE, "
+                                              "file:FILE) instead of one: one table over all of them"),
           cap: int = CapOpt, model: Optional[Path] = ModelOpt, backend: str = BackendOpt,
           threads: int = ThreadsOpt, n_ctx: int = CtxOpt,
-          json_out: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON")):
-    """Partition sweep of one prompt: endpoints, first difference from the first schedule, classes."""
+          json_out: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON"),
+          md_out: Optional[Path] = typer.Option(None, "--md", help="also write the table as Markdown")):
+    """Partition sweep of one prompt (or of --tasks): endpoints, first difference from the first
+    schedule, endpoint and state classes."""
     from rich.markup import escape
     from rich.progress import Progress
 
-    from statelab.experiments.partition import sweep as run_sweep, sweep_schedules
+    from statelab.experiments.partition import sweep as run_sweep, sweep_schedules, sweep_table
     from statelab.lab.receiver import check_cap
 
     check_cap(cap)
+    if tasks is not None:
+        from statelab import prompts
+        from statelab.errors import ConfigError
+
+        if any(x is not None for x in (prompt, humaneval, prompt_file)):
+            raise ConfigError("--tasks replaces --prompt, --humaneval and --prompt-file: give one of them")
+        m, base = setup(model, backend, threads, n_ctx)
+        ps = [prompts.resolve(t.strip(), model, backend) for t in tasks.split(",") if t.strip()]
+        scheds = {p.id: sweep_schedules(m, p, schedules) for p in ps}  # every prompt checked before any run
+        results = []
+        with Progress(console=console, transient=True) as prog:
+            task = prog.add_task("schedules", total=sum(len(v) for v in scheds.values()))
+            for p in ps:
+                results.append(run_sweep(m, p, scheds[p.id], base, cap, progress=lambda: prog.advance(task)))
+        if json_out:  # the runs first: a table that cannot be drawn loses nothing
+            atomic_write_text(json_out, json.dumps(results, indent=2))
+        table = (f"Partition sweep, {len(ps)} prompts x {len(next(iter(scheds.values())))} schedules, cap {cap}, "
+                 f"{backend}\n\n" + sweep_table(results))
+        console.print(table, markup=False)
+        if md_out:
+            atomic_write_text(md_out, table)
+        return
     p = prompt_of(prompt, humaneval, prompt_file)
     m, base = setup(model, backend, threads, n_ctx)
     scheds = sweep_schedules(m, p, schedules)
@@ -47,6 +74,8 @@ def sweep(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEva
     console.print("state classes:    " + " | ".join(", ".join(c) for c in res["state_classes"]))
     if json_out:
         atomic_write_text(json_out, json.dumps(res, indent=2))
+    if md_out:
+        atomic_write_text(md_out, sweep_table([res]))
 
 
 @app.command()

@@ -17,8 +17,11 @@ from statelab.paths import atomic_write_text
 
 spec_app = typer.Typer(no_args_is_help=True, help="The QB speculative path: arms, qualification, timing.")
 app.add_typer(spec_app, name="spec")
-DraftOpt = typer.Option("self", "--draft", help="'self' (the target), 'derive:N' (its first N layers), a GGUF path, "
-                        "'ngram[:NMIN-NMAX]' (model-free prompt lookup, default 2-4), or 'none'")
+DraftOpt = typer.Option("self", "--draft", help="the drafter: 'self' (the target), 'derive:N' (its first N layers), a "
+                        "GGUF path, 'ngram[:NMIN-NMAX][+session]' (model-free prompt lookup, default 2-4; +session "
+                        "also over a session's earlier outputs), or 'none'")
+GateOpt = typer.Option(False, "--gate/--no-gate", help="measure the verify cost by rows first, then submit a proposal "
+                       "only when its expected gain is positive (otherwise a plain one-row decode)")
 KMaxOpt = typer.Option(None, "--k-max", help="adaptive k: grown after full acceptance, shrunk after a rejection, "
                        "within [1, K_MAX] (default: k fixed)")
 FixedRowsOpt = typer.Option(False, "--fixed-rows/--exact-rows", help="every verify submits k_max+1 rows (unused ones "
@@ -36,7 +39,7 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
              mask: int = typer.Option(3, help="phase mask 0..15 (1 target prefill, 2 target continuation, 4 draft "
                                               "prefill, 8 draft continuation)"),
              cap: int = CapOpt, model: Optional[Path] = ModelOpt, draft: str = DraftOpt, backend: str = BackendOpt,
-             threads: int = ThreadsOpt, json_out: Optional[Path] = typer.Option(None, "--json")):
+             threads: int = ThreadsOpt, gate: bool = GateOpt, json_out: Optional[Path] = typer.Option(None, "--json")):
     """Run arms on one prompt in this process; qualify each against R; time qualified arms."""
     from statelab.experiments.campaign import run_arms
     from statelab.speculative.transaction import SpecConfig
@@ -45,18 +48,20 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
     cfg = SpecConfig(k=k, ubatch=ubatch, mask=mask, cap=cap, backend=backend, threads=threads, k_max=k_max,
                      fixed_rows=fixed_rows)
     p = prompt_of(prompt, humaneval, prompt_file)
-    results, need_draft = run_arms(model, draft, p, names, cfg, refused=lambda a, why: err.print(f"{a}: {why}; not run"))
+    results, need_draft = run_arms(model, draft, p, names, cfg, refused=lambda a, why: err.print(f"{a}: {why}; not run"),
+                                   gate=gate)
     t = Table(title=f"{p.id} (sha256 {p.sha256[:12]}): k={k}{f'..{k_max}' if k_max else ''}, ubatch "
                     f"{cfg.target_ubatch}, mask {mask}, cap {cap}, {backend}, draft {draft if need_draft else '-'}")
-    for col in ("arm", "qualified", "first diff", "seconds", "accepted/proposals", "tokens/call", "target callers",
-                "micrographs"):
+    for col in ("arm", "qualified", "first diff", "seconds", "accepted/proposals", "declined", "tokens/call",
+                "target callers", "micrographs"):
         t.add_column(col)
     for r in results:
         c = r.counters
         t.add_row(r.arm, "ref" if r.arm == "R" else ("yes" if r.qualified else "NO"),
                   "=" if r.first_diff is None else str(r.first_diff),
                   f"{r.seconds:.3f}" if r.qualified else f"({r.seconds:.3f} not comparable)",
-                  f"{c.accepted}/{c.proposals}", f"{c.committed / max(c.verify_calls, 1):.2f}", str(c.target_callers),
+                  f"{c.accepted}/{c.proposals}", str(c.declined), f"{c.committed / max(c.verify_calls, 1):.2f}",
+                  str(c.target_callers),
                   str(c.target_micrographs))
     console.print(t)
     if json_out:
@@ -69,6 +74,7 @@ def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see
                   draft: Optional[str] = typer.Option(None, "--draft", help="override the spec's drafter"),
                   k: Optional[int] = typer.Option(None, "--k", help="override the spec's k"),
                   k_max: Optional[int] = typer.Option(None, "--k-max", help="override the spec's k_max"),
+                  cap: Optional[int] = typer.Option(None, "--cap", help="override the spec's cap (tokens per request)"),
                   budget: Optional[float] = typer.Option(None, "--budget", help="start no new block after this "
                                                          "many seconds (run again with the same --out to resume)")):
     """Fresh worker processes, counterbalanced blocks, sessions, bootstrap intervals; resumable."""
@@ -77,7 +83,7 @@ def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see
     from statelab.experiments.campaign import CampaignSpec, plan, run_campaign
     from statelab.report import campaign_page
 
-    spec = CampaignSpec.load(spec_path, draft=draft, k=k, k_max=k_max)
+    spec = CampaignSpec.load(spec_path, draft=draft, k=k, k_max=k_max, cap=cap)
     with Progress(console=console, transient=True) as prog:
         task = prog.add_task("blocks", total=len(plan(spec, spec.draft)))
         res = run_campaign(spec, out, progress=lambda: prog.advance(task), budget_s=budget)

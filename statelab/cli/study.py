@@ -97,11 +97,13 @@ def study_findings_run(out: Path = typer.Argument(..., help="a finished study fo
                        workers: int = typer.Option(2, "--workers", "-w", help="worker processes"),
                        limit: Optional[int] = typer.Option(None, "--limit", help="at most this many new targets"),
                        lanes: int = typer.Option(1, "--lanes", help="targets at once in each worker process, "
-                                                 "one thread and context each, the model loaded once (the GPU shape)")):
+                                                 "one thread and context each, the model loaded once (the GPU shape)"),
+                       repeats: int = typer.Option(1, "--repeats", help="panels: process repeats of every panel "
+                                                   "(repeat-level contrasts; each repeat in processes of its own)")):
     """Minimal sufficient selections or frontier panels for the study's class-B cells (resumable)."""
     from statelab.experiments.findings_run import run_findings
 
-    c = run_findings(out, kind, budget, workers, limit, lanes=lanes)
+    c = run_findings(out, kind, budget, workers, limit, lanes=lanes, repeats=repeats)
     console.print(f"{kind}: {c['ran']} run ({c['ok']} ok, {c['skipped']} skipped, {c['failed']} failed), "
                   f"{c['done_before']} done before, {c['not_started']} not started, of {c['targets']} class-B cells; "
                   f"{c['seconds']:.0f} s")

@@ -20,12 +20,18 @@ from statelab.experiments.matrix.store import CellLog, first_ok
 from statelab.experiments.records import CAMPAIGN_BLOCK
 from statelab.experiments.specfile import check_keys, read_toml
 from statelab.models import model_sha256, resolve_model
-from statelab.paths import atomic_write_netcdf, atomic_write_text, cache_dir as default_cache, exclusive_lock
+from statelab.paths import atomic_write_netcdf, atomic_write_text, exclusive_lock
 from statelab.runtime import Model, prepare_backend
 from statelab.runtime.layouts import Layout
-from statelab.speculative.derive import derive_truncated
-from statelab.speculative.transaction import (Arm, Runner, SpecConfig, check_draft_paths, check_mask, is_ngram,
-                                              parse_ngram, qualify)
+from statelab.speculative import drafters
+from statelab.speculative.transaction import (
+    Arm,
+    Runner,
+    SpecConfig,
+    VerifyCosts,
+    check_mask,
+    qualify,
+)
 
 DEFAULT_RATIOS = (("C_PQ", "C_QB"), ("C_GS", "C_QB"), ("C_QB", "M0"), ("R", "C_QB"))
 
@@ -44,9 +50,11 @@ class CampaignSpec:
     backend: str = "cpu"
     threads: int = 0
     model: str | None = None
-    draft: str | None = "self"  # "self", a GGUF path, "derive:N" (first N layers of the target), "ngram[:NMIN-NMAX]"
+    draft: str | None = "self"  # a drafter text (speculative.drafters.KINDS), e.g. "ngram:1-8+session"
     k_max: int | None = None  # adaptive k within [1, k_max]
     fixed_rows: bool = False  # every verify submits k_max + 1 rows (one graph shape)
+    gate: bool = False  # propose only when the expected gain is positive (verify costs calibrated per session)
+    groups: dict = field(default_factory=dict)  # tag -> prompt specs (default: HumanEval code, chat prose)
     ratios: list[list[str]] = field(default_factory=lambda: [list(r) for r in DEFAULT_RATIOS])
     threshold: float = 1.02
     seed: int = 20261014
@@ -61,6 +69,11 @@ class CampaignSpec:
         raw = read_toml(p, "campaign spec", ConfigError)
         raw = raw.get("campaign", raw)
         check_keys(raw, p, "campaign spec", ConfigError, tuple(cls.__dataclass_fields__), ())
+        if isinstance(raw.get("prompts"), list):  # file: and chat: paths relative to the spec file where they exist
+            raw["prompts"] = [near_spec(x, p) for x in raw["prompts"]]
+        if isinstance(raw.get("groups"), dict):
+            raw["groups"] = {t: [near_spec(x, p) for x in v] if isinstance(v, list) else v
+                             for t, v in raw["groups"].items()}
         spec = cls(**{**raw, **{k: v for k, v in overrides.items() if v is not None}})
         spec.validate()
         if check_fit:
@@ -83,7 +96,8 @@ class CampaignSpec:
 
         types = {"prompts": list, "arms": list, "sessions": int, "repeats": int, "k": int, "ubatch": int, "mask": int,
                  "cap": int, "n_ctx": int, "backend": str, "threads": int, "model": (str, type(None)),
-                 "draft": (str, type(None)), "k_max": (int, type(None)), "fixed_rows": bool, "ratios": list,
+                 "draft": (str, type(None)), "k_max": (int, type(None)), "fixed_rows": bool, "gate": bool,
+                 "groups": dict, "ratios": list,
                  "threshold": (int, float), "seed": int, "resamples": int}
         for name, want in types.items():
             v = getattr(self, name)
@@ -99,12 +113,14 @@ class CampaignSpec:
             if key in seen:
                 raise ConfigError(f"prompts {seen[key]!r} and {p!r} are the same prompt ({key})")
             seen[key] = p
-        if is_ngram(self.draft):
-            parse_ngram(self.draft)
+        drafters.check(self.draft)
+        for tag, ps in self.groups.items():
+            if not isinstance(ps, list) or any(p not in self.prompts for p in ps):
+                raise ConfigError(f"campaign spec: group {tag!r} must list prompts of the spec, got {ps!r}")
         self.spec_config()  # its checks (k, ubatch, mask, cap)
         if self.sessions < 1 or self.repeats < 1:
             raise ConfigError("sessions and repeats must be >= 1")
-        if self.draft in (None, "", "none") and any(Arm.parse(a).draft for a in self.arms):
+        if drafters.check(self.draft) is None and any(Arm.parse(a).draft for a in self.arms):
             raise ConfigError(f"arms {[a for a in self.arms if Arm.parse(a).draft]} draft, but the spec names no drafter")
 
     def spec_config(self) -> SpecConfig:
@@ -130,6 +146,17 @@ def _vocab_model(model_path, backend: str):
     return _VOCAB[key]
 
 
+def near_spec(prompt_spec, spec_path: Path):
+    """A ``file:``/``chat:`` prompt with a relative path that exists next to the spec file ->
+    that path; anything else as it is (relative to the working folder)."""
+    if not isinstance(prompt_spec, str):
+        return prompt_spec
+    kind, _, rest = prompt_spec.partition(":")
+    if kind in ("file", "chat") and rest and not Path(rest).is_absolute() and (spec_path.parent / rest).is_file():
+        return f"{kind}:{spec_path.parent / rest}"
+    return prompt_spec
+
+
 def prompt_key(prompt) -> str:
     """How campaigns identify a prompt: its id and the first 12 hex digits of its text's sha256
     (a Prompt, or a record with 'prompt' and 'prompt_sha256')."""
@@ -138,51 +165,32 @@ def prompt_key(prompt) -> str:
     return f"{prompt.id}@{prompt.sha256[:12]}"
 
 
-def resolve_draft(target_path, draft: str | None, cache_dir: Path | None = None):
-    """'self' -> the target itself; 'derive:N' -> a cached first-N-layers copy; 'ngram...' (a
-    model-free drafter) as it is; else a path."""
-    if draft in (None, "", "none"):
-        return None
-    if draft == "self":
-        return "self"
-    if is_ngram(draft):
-        parse_ngram(draft)
-        return draft
-    if draft.startswith("derive:"):
-
-        arg = draft.split(":", 1)[1]
-        if not arg.isdigit():
-            raise ConfigError(f"draft {draft!r}: derive:N needs a layer count N, e.g. derive:8")
-        n = int(arg)
-        src = resolve_model(target_path)
-        out = (cache_dir or default_cache()) / "drafts" / f"{model_sha256(src)[:16]}-first{n}.gguf"
-        if not out.exists():
-            derive_truncated(src, out, n)
-        return str(out)
-    return draft
+def resolve_draft(target_path, draft: str | None, cache_dir: Path | None = None) -> str | None:
+    """The resolved text of a drafter (:func:`statelab.speculative.drafters.resolve`): what a
+    worker process resolves again without deriving anything; None for no drafter."""
+    d = drafters.resolve(draft, target_path, cache_dir)
+    return None if d is None else d.text
 
 
-def load_runner(model_path, draft, cfg: SpecConfig):
-
+def load_runner(model_path, draft: str | None, cfg: SpecConfig, costs: dict | None = None) -> Runner:
+    """The target (and the draft model a model drafter needs) loaded for ``cfg``'s backend."""
     prepare_backend(cfg.backend)
     tm = Model(model_path, backend=cfg.backend)
+    d = drafters.resolve(draft, tm.path) if draft else None  # a foreign vocabulary is refused by its header
     dm = None
-    if is_ngram(draft):
-        return Runner(tm, None, cfg, draft=draft)
-    if draft == "self":
-        dm = tm
-    elif draft:
-
-        check_draft_paths(tm.path, draft)  # before loading: a foreign vocabulary is refused by its header
-        dm = Model(draft, backend=cfg.backend)
-    return Runner(tm, dm, cfg, vocab_checked=True)
+    if d is not None and d.needs_model:
+        dm = tm if d.path is None else Model(d.path, backend=cfg.backend)
+    return Runner(tm, dm, cfg, vocab_checked=True, draft=d, costs=costs)
 
 
-def run_arms(model_path, draft, prompt, names: list[str], cfg: SpecConfig, refused=lambda arm, why: None):
+def run_arms(model_path, draft, prompt, names: list[str], cfg: SpecConfig, refused=lambda arm, why: None,
+             gate: bool = False):
     """Arms on one prompt in this process (``spec run``), R first (every arm is qualified
     against it, so R runs even when not named); an arm the device would not run
     (:func:`~statelab.audit.admission.device_refusal`) is reported to ``refused(arm, why)``
-    and left out.  Returns (qualified results, whether a drafter was needed)."""
+    and left out.  With ``gate`` each drafting arm's verify costs are measured first (on
+    ``prompt``) and its proposals gated by them.  Returns (qualified results, whether a
+    drafter was needed)."""
     need_draft = any([Arm.parse(a).draft for a in names])  # a list: every name is checked
     runner = load_runner(model_path, resolve_draft(model_path, draft) if need_draft else None, cfg)
     names = (["R"] if "R" not in names else []) + list(names)
@@ -193,28 +201,39 @@ def run_arms(model_path, draft, prompt, names: list[str], cfg: SpecConfig, refus
             refused(a, why)
         else:
             kept.append(a)
+    if gate:
+        runner.costs = {a: runner.measure_verify_costs(a, prompt) for a in kept if Arm.parse(a).draft}
     return qualify([runner.run(a, prompt, warmup=True) for a in kept]), need_draft
 
 
-def _worker(job: dict) -> list[dict]:
-    """One fresh process: load, one registered warmup, then the block's requests."""
+def _worker(job: dict) -> dict:
+    """One fresh process: load, then either the gate's calibration (``job["calibrate"]``) or
+    one registered warmup and the block's requests, its session drafter holding the
+    session's earlier outputs (``job["session_outputs"]``)."""
 
     cfg = SpecConfig(**job["cfg"])
-    runner = load_runner(job["model"], job["draft"], cfg)
+    costs = {job["arm"]: VerifyCosts.from_dict(job["costs"])} if job.get("costs") else None
+    runner = load_runner(job["model"], job["draft"], cfg, costs)
     p = prompts.resolve(job["prompt"], job["model"], cfg.backend)
-    out = []
+    if job.get("calibrate"):
+        return {"records": [], "costs": runner.measure_verify_costs(job["arm"], p).as_dict()}
+    for out in job.get("session_outputs") or ():
+        runner.drafter.remember(out)
+    records = []
     for i in range(job["repeats"]):
         r = runner.run(job["arm"], p, warmup=(i == 0))
         rec = r.record()
-        rec.update(session=job["session"], block=job["block"], request=i, spec=job["prompt"], key=prompt_key(p))
-        out.append(rec)
-    return out
+        rec.update(session=job["session"], block=job["block"], request=i, spec=job["prompt"], key=prompt_key(p),
+                   session_memory=len(job.get("session_outputs") or ()))
+        records.append(rec)
+    return {"records": records}
 
 
 def block_result(job: dict) -> dict:
-    """What a block's fresh process returns: ``{"block", "records": [...]}`` or ``{"block", "error"}``."""
+    """What a block's fresh process returns: ``{"block", "records": [...]}`` (a calibration:
+    ``"costs"`` too) or ``{"block", "error"}``."""
     try:
-        return {"block": job["block"], "records": _worker(job)}
+        return {"block": job["block"], **_worker(job)}
     except StatelabError as e:
         return block_failed(job, str(e))
 
@@ -241,7 +260,7 @@ def run_requests(jobs: list[dict], progress=None, on_block=None, stop=None) -> l
             raise ConfigError(f"block {job['block']} ({job['arm']} on {job['prompt']}): {res['error']}")
         out.extend(res["records"])
         if on_block:
-            on_block(job, res["records"])
+            on_block(job, res)
         if progress:
             progress()
 
@@ -250,17 +269,51 @@ def run_requests(jobs: list[dict], progress=None, on_block=None, stop=None) -> l
 
 
 def plan(spec: CampaignSpec, draft: str | None) -> list[dict]:
-    """Counterbalanced blocks: the arm order reverses in alternate sessions and prompts."""
-    jobs, block = [], 0
+    """Counterbalanced blocks: the arm order reverses in alternate sessions and prompts.  With
+    the gate, each session starts with one calibration block per drafting arm (its verify
+    costs on this device, in a fresh process like every block)."""
+    jobs: list[dict] = []
     cfg = asdict(spec.spec_config())
+
+    def add(**job) -> None:
+        jobs.append({"block": len(jobs), "repeats": spec.repeats, "cfg": cfg, "model": spec.model, **job})
+
     for s in range(spec.sessions):
+        if spec.gate:
+            for arm in spec.arms:
+                if Arm.parse(arm).draft:
+                    add(session=s, prompt=spec.prompts[0], arm=arm, draft=draft, calibrate=True, prompt_index=-1)
         for pi, p in enumerate(spec.prompts):
             order = list(spec.arms) if (s + pi) % 2 == 0 else list(reversed(spec.arms))
             for arm in order:
-                jobs.append({"session": s, "block": block, "prompt": p, "arm": arm, "repeats": spec.repeats,
-                             "cfg": cfg, "model": spec.model, "draft": draft if Arm.parse(arm).draft else None})
-                block += 1
+                add(session=s, prompt=p, arm=arm, draft=draft if Arm.parse(arm).draft else None, prompt_index=pi)
     return jobs
+
+
+def feed(jobs: list[dict], done: dict[str, dict], session: bool) -> None:
+    """Give each drafting block what its session has produced so far (from the finished
+    blocks ``done``, keyed ``block-N``): the calibrated verify costs of its arm (``costs``) and,
+    for a session drafter, its arm's outputs of the session's earlier prompts in the order the
+    session ran them (``session_outputs``).  Blocks run one at a time in plan order, so a
+    block's inputs are complete when it starts (and again when a campaign resumes)."""
+    costs: dict[tuple, dict] = {}
+    outs: dict[tuple, list] = {}
+    for j in jobs:
+        e = done.get(f"block-{j['block']}")
+        if e is None or not j.get("draft"):
+            continue
+        if j.get("calibrate"):
+            costs[(j["session"], j["arm"])] = e["costs"]
+        elif e["records"]:
+            outs.setdefault((j["session"], j["arm"]), []).append((j["prompt_index"], e["records"][0]["tokens"]))
+    for j in jobs:
+        if not j.get("draft") or j.get("calibrate"):
+            continue
+        key = (j["session"], j["arm"])
+        j["costs"] = costs.get(key)
+        if session:
+            j["session_outputs"] = [t for pi, t in sorted(outs.get(key, []), key=lambda x: x[0])
+                                    if pi < j["prompt_index"]]
 
 
 def qualify_records(records: list[dict]) -> list[dict]:
@@ -314,7 +367,7 @@ def contrasts(records: list[dict], ratios, threshold: float, seed: int, resample
     return out
 
 
-COUNTERS = ("proposals", "accepted", "rollbacks", "cycles", "target_callers", "target_micrographs", "verify_calls",
+COUNTERS = ("proposals", "accepted", "declined", "rollbacks", "cycles", "target_callers", "target_micrographs", "verify_calls",
             "verify_rows", "committed", "graph_builds", "graph_reuses", "length")
 TIMES = ("t_cycle", "t_draft", "t_verify", "t_sample", "t_rollback")
 
@@ -365,12 +418,76 @@ def drafter_summary(records: list[dict], arm: str) -> dict:
             "ms_per_cycle": 1e3 * tot["t_cycle"] / max(tot["verify_calls"], 1), "shares": parts, **tot}
 
 
-def report_markdown(spec: CampaignSpec, records: list[dict], rows: list[dict]) -> str:
+def prompt_tags(spec: CampaignSpec) -> dict[str, str]:
+    """prompt key -> its group: the spec's ``groups`` where given, else code (HumanEval), prose
+    (chat:) or other."""
+    tag_of = {p: t for t, ps in spec.groups.items() for p in ps}
+    out = {}
+    for p, key in spec.prompt_table():
+        out[key] = tag_of.get(p) or ("code" if key.startswith("HumanEval/") else
+                                     "prose" if key.startswith("chat:") else "other")
+    return out
+
+
+def breakdown(spec: CampaignSpec, records: list[dict], rows: list[dict]) -> list[dict]:
+    """Every qualified ratio per group of prompts and per prompt, each with its own bootstrap
+    over sessions (the same estimator as the whole panel's)."""
+    tags = prompt_tags(spec)
+    out = []
+    for row in rows:
+        if not row["qualified"]:
+            continue
+        pair = [row["ratio"].split("/")]
+        scopes = [("group", t, [k for k, tt in tags.items() if tt == t]) for t in dict.fromkeys(tags.values())]
+        scopes += [("prompt", k, [k]) for k in tags]
+        for kind, name, keys in scopes:
+            rs = [r for r in records if r["key"] in keys]
+            c = contrasts(rs, pair, spec.threshold, spec.seed, spec.resamples)[0]
+            out.append({"ratio": row["ratio"], "scope": kind, "name": name, "tag": tags[name] if kind == "prompt"
+                        else name, "prompts": len(keys), **{k: c.get(k) for k in ("estimate", "lower", "upper")}})
+    return out
+
+
+def breakdown_markdown(parts: list[dict]) -> list[str]:
+    if not parts:
+        return []
+    lines = ["## Ratios by group and by prompt (qualified arms only)\n",
+             "Each with its own percentile bootstrap over sessions (same estimator as the panel's).\n",
+             "| ratio | scope | group | prompt | estimate | 95% interval |", "|---|---|---|---|---|---|"]
+    for p in parts:
+        est = "—" if p["estimate"] is None else f"{p['estimate']:.3f}"
+        iv = "—" if p["lower"] is None else f"[{p['lower']:.3f}, {p['upper']:.3f}]"
+        lines.append(f"| {p['ratio']} | {p['scope']} | {p['tag']} | {p['name'] if p['scope'] == 'prompt' else '-'} | "
+                     f"{est} | {iv} |")
+    for ratio in dict.fromkeys(p["ratio"] for p in parts):
+        per = [p for p in parts if p["ratio"] == ratio and p["scope"] == "prompt" and p["estimate"] is not None]
+        if per:
+            low = min(per, key=lambda p: p["estimate"])
+            lines.append(f"\n{ratio}: lowest prompt {low['name']} at {low['estimate']:.3f}; "
+                         f"{sum(p['estimate'] < 1.0 for p in per)} of {len(per)} prompts below 1.0.")
+    return lines + [""]
+
+
+def costs_markdown(costs: dict[str, dict]) -> list[str]:
+    if not costs:
+        return []
+    n = max(len(c["same"]) for c in costs.values())
+    lines = ["## Gate calibration: verify call by rows (ms, same shape / shape changed)\n",
+             "| arm, session | " + " | ".join(str(r) for r in range(1, n + 1)) + " |", "|---|" + "---|" * n]
+    for name, c in costs.items():
+        lines.append(f"| {name} | " + " | ".join(f"{1e3 * a:.2f} / {1e3 * b:.2f}" for a, b in zip(c["same"], c["change"]))
+                     + " |")
+    return lines + [""]
+
+
+def report_markdown(spec: CampaignSpec, records: list[dict], rows: list[dict], parts: list[dict] | None = None,
+                    costs: dict | None = None) -> str:
     lines = ["# Speculative campaign\n",
              f"k={spec.k}{f' (adaptive, k_max {spec.k_max})' if spec.k_max else ''}, "
              f"target ubatch {spec.spec_config().target_ubatch}, "
              f"{'fixed-shape verify, ' if spec.fixed_rows else ''}phase mask {spec.mask}, cap {spec.cap}, "
-             f"backend {spec.backend}, draft {spec.draft}, {spec.sessions} sessions x {spec.repeats} requests per "
+             f"backend {spec.backend}, draft {spec.draft}{', gated by calibrated verify costs' if spec.gate else ''}, "
+             f"{spec.sessions} sessions x {spec.repeats} requests per "
              f"block, bootstrap {spec.resamples} resamples, seed {spec.seed}, threshold {spec.threshold}\n",
              "## Qualification against R\n",
              "Prompts are identified by id and the first 12 hex digits of their text's sha256.\n",
@@ -419,10 +536,12 @@ def report_markdown(spec: CampaignSpec, records: list[dict], rows: list[dict]) -
                          f"{'yes' if r['above_threshold'] else 'no'} | {r['sessions']} sessions |")
         else:
             lines.append(f"| {r['ratio']} | — | — | — | {r['note']} |")
+    lines += [""] + breakdown_markdown(parts or []) + costs_markdown(costs or {})
     return "\n".join(lines) + "\n"
 
 
-ANALYSIS_FIELDS = ("ratios", "threshold", "seed", "resamples")  # change the report, not a block
+ANALYSIS_FIELDS = ("ratios", "threshold", "seed", "resamples", "groups")  # change the report, not a block
+LATER_FIELDS = {"gate": False, "n_ctx": 1024}  # fields added later: at their default they leave older campaigns' hashes as they were
 
 
 def campaign_hash(spec: CampaignSpec, draft: str | None) -> str:
@@ -431,9 +550,8 @@ def campaign_hash(spec: CampaignSpec, draft: str | None) -> str:
     change between runs of one folder)."""
 
 
-    fields = {k: v for k, v in asdict(spec).items() if k not in ANALYSIS_FIELDS}
-    if fields.get("n_ctx") == 1024:  # every campaign ran at 1024 before specs named n_ctx: same identity
-        fields.pop("n_ctx")
+    fields = {k: v for k, v in asdict(spec).items()
+              if k not in ANALYSIS_FIELDS and not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
     fields["prompts"] = [key for _, key in spec.prompt_table()]
     fields["model"] = model_sha256(resolve_model(spec.model))
     return hashlib.sha256(json.dumps([fields, draft], sort_keys=True).encode()).hexdigest()
@@ -447,7 +565,7 @@ def run_campaign(spec: CampaignSpec, out: Path, progress=None, budget_s: float |
     block has run."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(out / ".lock", ConfigError, f"campaign folder {out}"):  # one writer: timings never overlap
+    with exclusive_lock(out / ".lock", ConfigError, f"campaign folder {out}", remove="created"):  # one writer: timings never overlap
         return _run_campaign_locked(spec, out, progress, budget_s)
 
 
@@ -474,11 +592,20 @@ def _run_campaign_locked(spec: CampaignSpec, out: Path, progress, budget_s: floa
     if any(r.get("spec_hash") != h for r in old):
         raise ConfigError(f"{out} holds blocks of another campaign (spec or drafter changed); name a new --out")
     done = first_ok(old, h)
+    session = draft is not None and draft.endswith("+session")
+    feed(jobs, done, session)
     todo = [j for j in jobs if f"block-{j['block']}" not in done]
+
+    def on_block(job: dict, res: dict) -> None:
+        entry = {"key": f"block-{job['block']}", "status": "ok", "spec_hash": h, "records": res["records"],
+                 **({"costs": res["costs"]} if "costs" in res else {})}
+        log.append(entry)
+        done[entry["key"]] = entry
+        feed(jobs, done, session)  # the next blocks of the session hear this one (serial: before they start)
+
     t0 = time.monotonic()
     run_requests(todo, progress, stop=(lambda: time.monotonic() - t0 > budget_s) if budget_s is not None else None,
-                 on_block=lambda job, recs: log.append({"key": f"block-{job['block']}", "status": "ok",
-                                                        "spec_hash": h, "records": recs}))
+                 on_block=on_block)
     done = first_ok(log.records(), h)
     if len(done) < len(jobs):
         return {"complete": False, "blocks_done": len(done), "blocks": len(jobs)}
@@ -489,14 +616,18 @@ def compile_campaign(spec: CampaignSpec, out: Path, jobs: list[dict], done: dict
     """Every block's records -> qualification, contrasts, results.nc, records.json,
     contrasts.json and report.md."""
     records = qualify_records([r for j in jobs for r in done[f"block-{j['block']}"]["records"]])
+    costs = {f"{j['arm']} session {j['session']}": done[f"block-{j['block']}"]["costs"] for j in jobs
+             if j.get("calibrate")}
     rows = contrasts(records, spec.ratios, spec.threshold, spec.seed, spec.resamples)
     ds = to_dataset(records)
     atomic_write_netcdf(out / "results.nc", ds)
     atomic_write_text(out / "records.json", json.dumps(records, indent=1))
     atomic_write_text(out / "contrasts.json", json.dumps(rows, indent=1))
-    md = report_markdown(spec, records, rows)
+    parts = breakdown(spec, records, rows)
+    atomic_write_text(out / "breakdown.json", json.dumps({"ratios": parts, "costs": costs}, indent=1))
+    md = report_markdown(spec, records, rows, parts, costs)
     atomic_write_text(out / "report.md", md)
-    return {"complete": True, "records": records, "contrasts": rows, "report": md}
+    return {"complete": True, "records": records, "contrasts": rows, "breakdown": parts, "costs": costs, "report": md}
 
 
 # -- phase-mask experiment -----------------------------------------------------------
@@ -547,7 +678,7 @@ def phase_mask_experiment(model_path, draft, prompts_: list[str], masks=range(16
 
 
 def mask_markdown(res: dict, prompts_: list[str]) -> str:
-    bits = lambda m: "".join(n if m & b else "-" for n, b in (("TP", 1), ("TC", 2), ("DP", 4), ("DC", 8)))  # noqa
+    bits = lambda m: "".join(n if m & b else "-" for n, b in (("TP", 1), ("TC", 2), ("DP", 4), ("DC", 8)))
     lines = ["| mask | bits | " + " | ".join(prompts_) + " | all |", "|---|---|" + "---|" * (len(prompts_) + 1)]
     for m, row in sorted(res["table"].items()):
         lines.append(f"| {m} | {bits(m)} | " + " | ".join("Y" if row[p] else "n" for p in prompts_)

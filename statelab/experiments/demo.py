@@ -23,7 +23,8 @@ from statelab.experiments.matrix.spec import spec_from_data
 from statelab.experiments.partition import partition_dataset, study_prompt
 from statelab.lab.formation import PRESETS
 from statelab.lab.receiver import check_cap
-from statelab.paths import atomic_write_netcdf, atomic_write_text
+from statelab.errors import ConfigError
+from statelab.paths import atomic_write_netcdf, atomic_write_text, output_lock
 from statelab.report import demo_page
 from statelab.runtime import ContextConfig, Model, prepare_backend
 
@@ -112,6 +113,16 @@ def frontier_section(model, base, prompts, cap: int = 48, console=None, directio
 def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: int, out: Path,
         frontier_tasks: list[str] | None = None, frontier_cap: int = 48, matrix: bool = True,
         matrix_tasks: list[str] | None = None, matrix_cap: int = 48):
+    """The demo into ``out``, as its one writer (a second demo on the same folder is refused)."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(out, ConfigError):
+        return _run(console, model_path, backend, cap, tasks, threads, out, frontier_tasks, frontier_cap, matrix,
+                    matrix_tasks, matrix_cap)
+
+
+def _run(console, model_path, backend: str, cap: int, tasks: list[str], threads: int, out: Path,
+         frontier_tasks: list[str] | None, frontier_cap: int, matrix: bool, matrix_tasks: list[str] | None,
+         matrix_cap: int):
     check_cap(cap)
     prepare_backend(backend)
     ps = [prompts_mod.resolve(t.strip()) for t in tasks if t.strip()]

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -44,6 +45,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 from statelab.errors import ConfigError
+from statelab.experiments import lifeline
 from statelab.experiments.forkserver import ForkServer
 from statelab.experiments.worker import MARKER, STARTED
 
@@ -106,7 +108,7 @@ def _timed(rec: dict, **timing) -> dict:
 def run_spawned(unit: Unit, task: dict, timeout: float | None = None) -> dict:
     """Run one unit in a new Python process and return its result (never raises)."""
     t0 = time.perf_counter()
-    env = {**os.environ, **unit.env}
+    env = lifeline.child_env({**os.environ, **unit.env})
     env.setdefault("PYTHONUNBUFFERED", "1")
     try:
         proc = subprocess.run([sys.executable, "-m", "statelab.experiments.worker"],
@@ -116,6 +118,8 @@ def run_spawned(unit: Unit, task: dict, timeout: float | None = None) -> dict:
         return unit.failed(task, f"the unit's process ran past {timeout} s and was killed")
     except OSError as e:
         return unit.failed(task, f"cannot start the unit's process: {e}")
+    if proc.returncode == -signal.SIGINT:  # Ctrl-C reached the unit: an interruption, not a failed unit
+        raise KeyboardInterrupt
     rec = None
     for line in proc.stdout.splitlines():
         if line.startswith(MARKER):
@@ -132,6 +136,8 @@ def run_spawned(unit: Unit, task: dict, timeout: float | None = None) -> dict:
 def run_forked(server: ForkServer, unit: Unit, task: dict, timeout: float | None = None) -> dict:
     """Run one unit in a child forked from the fork server; its result (never raises)."""
     rec, info = server.run(unit.fn, task, env=unit.env, timeout=timeout)
+    if rec is None and info.exit == -signal.SIGINT:  # Ctrl-C reached the unit: an interruption, not a failed unit
+        raise KeyboardInterrupt
     if rec is None:
         return unit.failed(task, info.error)
     return _timed(rec, fork_s=info.fork_s, process_s=info.run_s, subprocess_s=info.wall_s)
@@ -149,6 +155,8 @@ def run_batch(unit: Unit, tasks: list[dict], on_result: Callable[[dict], None],
         started, results, code, tail = _batch_process(unit, todo, on_result, lanes)
         if interrupted is not None and interrupted.is_set():
             return  # the run was interrupted (Ctrl-C reached the batch too): its cells stay pending
+        if code == -signal.SIGINT:  # Ctrl-C reached the batch first: an interruption, not failed cells
+            raise KeyboardInterrupt
         left = [t for t in todo if t["key"] not in results]
         never = [t for t in left if t["key"] not in started]
         for t in left:
@@ -161,7 +169,7 @@ def run_batch(unit: Unit, tasks: list[dict], on_result: Callable[[dict], None],
 
 def _batch_process(unit: Unit, tasks: list[dict], on_result: Callable[[dict], None], lanes: int):
     """One batch process over ``tasks``: (keys started, keys with a record, exit status, stderr tail)."""
-    env = {**os.environ, **unit.env}
+    env = lifeline.child_env({**os.environ, **unit.env})
     env.setdefault("PYTHONUNBUFFERED", "1")
     pending = {t["key"]: t for t in tasks}
     started: set[str] = set()

@@ -83,8 +83,9 @@ def _is_layer(name: str) -> bool:
     return len(name) >= 3 and name[0] == "L" and name[1:3].isdigit() and not name.startswith("L0_") and name != "L0"
 
 
-def target_key(t: dict) -> str:
-    return f"{t['task']}|{t['selector']}|{t['direction']}"
+def target_key(t: dict, repeat: int = 0) -> str:
+    """A target's log key; a panel's process repeat r > 0 is its own target (``...|r1``)."""
+    return f"{t['task']}|{t['selector']}|{t['direction']}" + (f"|r{repeat}" if repeat else "")
 
 
 def mask_box(selection, state) -> dict | None:
@@ -203,7 +204,7 @@ def _panel_job(job: dict, env: _Env) -> dict:
     model = env.model
     donor, recip = env.cache.capture(job["donor_capture"]), env.cache.capture(job["recipient_capture"])
     sel, box, boxed = _cell_selection(job, env)
-    rec = {k: job[k] for k in ("key", "task", "selector", "direction", "spec_hash")}
+    rec = {k: job[k] for k in ("key", "task", "selector", "direction", "spec_hash")} | {"repeat": job.get("repeat", 0)}
     if box is None or not boxed.equals(sel):
         return {**rec, "status": "skipped", "reason": "the selection is not one box of layers x component x positions"}
     comps = panel_components(box)
@@ -221,8 +222,24 @@ def _panel_job(job: dict, env: _Env) -> dict:
     row.pop("panel", None)
     return {**rec, "status": "ok", "components": [n1, n2], "box": box,
             "selected_bytes": {k: v["selected_bytes"] for k, v in pr.imports["P"].items()},
-            **{k: v for k, v in row.items() if k not in rec},
+            **{k: v for k, v in row.items() if k not in rec}, "steps": step_margins(ds),
             "seconds": time.perf_counter() - t0, "pid": os.getpid()}
+
+
+def step_margins(ds) -> dict:
+    """The top-1 condition at every output before the frontier t* (every shared output when the
+    panel has none), from the four arms' full-vocabulary logits: per output, ``eps_inf`` (the
+    largest absolute logit difference between any two arms) and each arm's top-1 minus top-2
+    margin (arms EMPTY, C1, C2, BOTH), so that ``m > 2 eps_inf`` can be checked without the
+    traces.  Outputs where not all four vectors exist are left out (``positions`` says which)."""
+    c = ds.isel(task=0, recipient=0, panel=0, direction=0, repeat=0)
+    ts = int(c["t_star"])
+    end = ts if ts >= 0 else int(c["last_position"]) + 1
+    pos = np.flatnonzero(c["complete"].values[:end])
+    margin = c["margin"].transpose("arm", "position").values[:, pos]
+    return {"before": end, "positions": [int(p) for p in pos],
+            "eps_inf": [float(x) for x in c["eps_inf"].values[pos]],
+            "margin": [[float(x) for x in m] for m in margin]}
 
 
 _JOBS = {"minimal": _minimal_job, "panels": _panel_job}
@@ -259,16 +276,22 @@ JOB = Unit("statelab.experiments.findings_run:run_job", failed_job,
 
 
 def run_findings(out, kind: str, budget_s: float, workers: int = 2, limit: int | None = None,
-                 progress=None, lanes: int = 1) -> dict:
+                 progress=None, lanes: int = 1, repeats: int = 1) -> dict:
     """Run ``kind`` (minimal | panels) for the class-B cells of the study folder ``out``
     within ``budget_s`` seconds of wall time (no new target starts after it); resumes.
     ``lanes`` L > 1: ``workers`` batch processes, each loading the model once and running L
     targets at once on threads, each lane in its own contexts (the GPU shape, as the study's
-    ``--lanes``); otherwise one forked process per target, ``workers`` at a time."""
+    ``--lanes``); otherwise one forked process per target, ``workers`` at a time.  ``repeats``
+    (panels only): every panel again in other processes, repeat r in batch processes of its own
+    (log key ``...|rR``), for repeat-level contrasts."""
     if kind not in KINDS:
         raise FindingsError(f"unknown findings kind {kind!r}: use {' or '.join(KINDS)}")
-    if not budget_s > 0 or workers < 1 or lanes < 1:
-        raise FindingsError("the budget must be positive seconds, --workers and --lanes at least 1")
+    if not budget_s > 0 or workers < 1 or lanes < 1 or repeats < 1:
+        raise FindingsError("the budget must be positive seconds, --workers, --lanes and --repeats at least 1")
+    if repeats > 1 and kind != "panels":
+        raise FindingsError("--repeats is for panels (a minimal search is one process's answer)")
+    if limit is not None and limit < 0:
+        raise FindingsError(f"--limit must be 0 or more targets, got {limit}")
     sdir = StudyDir(out)
     if not sdir.results_path.is_file():
         raise FindingsError(f"{out}: no results.nc; run `statelab study run` (or `study report`) first")
@@ -285,17 +308,18 @@ def run_findings(out, kind: str, budget_s: float, workers: int = 2, limit: int |
         done = {r["key"] for r in log.records() if r.get("spec_hash") == spec["spec_hash"]
                 and r.get("status") in ("ok", "skipped")}
         jobs = []
-        for t in targets:
-            task = by_cell.get((t["task"], t["selector"], t["direction"]))
-            if task is None or target_key(t) in done:
-                continue
-            jobs.append({**{k: task[k] for k in ("donor_capture", "recipient_capture", "natural_donor",
-                                                 "natural_recipient", "selector_source", "selector_dirs",
-                                                 "recipient", "spec_hash")},
-                         "cap": int(task["cap"]), "key": target_key(t), **t})
+        for r in range(repeats):  # every target's repeat 0 first, then repeat 1, ...
+            for t in targets:
+                task = by_cell.get((t["task"], t["selector"], t["direction"]))
+                if task is None or target_key(t, r) in done:
+                    continue
+                jobs.append({**{k: task[k] for k in ("donor_capture", "recipient_capture", "natural_donor",
+                                                     "natural_recipient", "selector_source", "selector_dirs",
+                                                     "recipient", "spec_hash")},
+                             "cap": int(task["cap"]), "key": target_key(t, r), "repeat": r, **t})
         if limit is not None:
             jobs = jobs[:limit]
-        counts = {"targets": len(targets), "done_before": len(done), "ran": 0, "ok": 0, "skipped": 0, "failed": 0}
+        counts = {"targets": len(targets) * repeats, "done_before": len(done), "ran": 0, "ok": 0, "skipped": 0, "failed": 0}
         deadline = t0 + budget_s
         norm = spec["normalized"]
         process = {"kind": kind, "model_path": spec["model_path"], "backend": norm["backend"],
@@ -312,7 +336,8 @@ def run_findings(out, kind: str, budget_s: float, workers: int = 2, limit: int |
 
         if jobs and lanes > 1:
             wall_deadline = time.time() + (deadline - time.perf_counter())
-            execute([{**j, **process, "group": i % workers,
+            # a repeat's targets run in batch processes of their own: repeats never share a process
+            execute([{**j, **process, "group": j["repeat"] * workers + i % workers,
                       "deadline": wall_deadline if i else None} for i, j in enumerate(jobs)],
                     JOB, "batch", workers, on_result, error=FindingsError, lanes=lanes)
         elif jobs:

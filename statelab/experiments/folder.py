@@ -1,7 +1,7 @@
 """An experiment's output folder: one writer at a time, claimed by a spec hash.
 
     OUT/.lock       held (flock) by the one process writing the folder; a second writer is
-                    refused at once with one line
+                    refused at once with one line; removed again by the process that made it
     OUT/spec.json   {"format", "spec_hash", "normalized", ...}: the normalised spec and its
                     hash (sha256 of the normal form's JSON, keys sorted).  A folder of
                     another spec is refused, and so is an edited spec.json (its normal form
@@ -46,7 +46,10 @@ class RunFolder:
                 raise self.error(f"{self.root} is not a {self.kind} output folder (no spec.json)")
             self.root.mkdir(parents=True)
             made = True
-        with exclusive_lock(self.root / LOCK_NAME, self.error, f"{self.kind} folder {self.root}"):
+        # the lock file goes again with the lock when this process made it: a refused command
+        # (another spec, not a run folder, a report of a folder without results) leaves the
+        # folder as it was
+        with exclusive_lock(self.root / LOCK_NAME, self.error, f"{self.kind} folder {self.root}", remove="created"):
             try:
                 yield self
             finally:

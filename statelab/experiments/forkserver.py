@@ -18,6 +18,11 @@ llama_cpp: about 0.7 s of CPU) every time.  The fork server pays them once:
     <-- {"exit", "stderr"} -------- the server reaps the child and reports how it ended
     close() / EOF on stdin -------> kills what still runs, removes the socket, exits
 
+The server and its children end with the runner, kill -9 included (:mod:`.lifeline`: the
+server dies with the runner, each child with the server).  The server's folder
+(``statelab-fork-PID-*`` in the temporary directory, PID the runner's) holds the socket and
+the logs; the folders of runners that no longer run are removed by the next start.
+
 CUDA and Vulkan do not survive fork(), so nothing in the server may initialise a backend:
 the child calls ``llama_backend_init`` itself (``statelab.runtime.native.llama``), exactly
 as a new interpreter would.  A child writes its stdout and stderr to a log file that the
@@ -47,6 +52,8 @@ import traceback
 from dataclasses import dataclass, field
 
 from statelab.errors import StatelabError
+from statelab.experiments import lifeline
+from statelab.paths import process_alive
 
 READY = "STATELAB_FORKSERVER_READY"
 # what every experiment unit needs, imported once in the server: the unit modules of every
@@ -152,6 +159,8 @@ def serve(sock_path: str, preload: list[str]) -> int:  # pragma: no cover - runs
     # Ctrl-C reaches the whole process group: the children end (default action), the client
     # sees KeyboardInterrupt and closes the server, which ignores it and outlives its children
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    lifeline.die_with_parent()  # the runner's kill -9 ends the server (and so its children)
+    server_pid = os.getpid()
     for m in preload:
         importlib.import_module(m)
         if m == "statelab.experiments.kinds":
@@ -203,6 +212,7 @@ def serve(sock_path: str, preload: list[str]) -> int:  # pragma: no cover - runs
                         signal.set_wakeup_fd(-1)
                         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                         signal.signal(signal.SIGINT, signal.SIG_DFL)
+                        lifeline.die_with_parent(server_pid)
                         for c, _ in children.values():
                             c.close()
                         _child(conn, req, log_path, t_fork)
@@ -276,8 +286,9 @@ class ForkServer:
 
     def start(self) -> "ForkServer":
         t0 = time.perf_counter()
-        self._dir = tempfile.mkdtemp(prefix="statelab-fork-")
-        env = dict(os.environ if self._env is None else self._env)
+        remove_stale_folders()
+        self._dir = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
+        env = lifeline.child_env(self._env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         log = os.path.join(self._dir, "server.log")
         try:
@@ -380,6 +391,29 @@ class ForkServer:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+
+FOLDER_PREFIX = "statelab-fork-"
+
+
+def remove_stale_folders(tmp: str | None = None) -> list[str]:
+    """Remove the fork-server folders (``statelab-fork-PID-*``) of runners that no longer
+    run (a killed run leaves its folder); those of live processes are left alone."""
+    tmp = tmp or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = list(os.scandir(tmp))
+    except OSError:
+        return removed
+    for e in entries:
+        pid = e.name[len(FOLDER_PREFIX):].split("-", 1)[0]
+        if not e.name.startswith(FOLDER_PREFIX) or not pid.isdigit() or not e.is_dir(follow_symlinks=False):
+            continue
+        if process_alive(int(pid)):
+            continue
+        shutil.rmtree(e.path, ignore_errors=True)
+        removed.append(e.path)
+    return removed
 
 
 def _kill(pid: int) -> None:

@@ -485,6 +485,19 @@ def run_frontier(spec_path, out=None, workers: int = 1, say=lambda msg: None, ex
         return _run_frontier_locked(spec, folder, workers, say, t0, executor)
 
 
+def reanalyse(out, page=None) -> tuple["Analysis", dict, object]:
+    """``frontier analyse``: :func:`analyse_run` and the outputs of a run folder, written as
+    its one writer (a folder in use, or one that is not a frontier run folder, is refused and
+    left as it was); ``page(out, ds)`` (the HTML page) is written under the same lock."""
+    folder = RunFolder(Path(out), SPEC_FORMAT, FrontierRunError, "frontier")
+    if not folder.spec_path.is_file():  # refused before the lock: nothing is made in the folder
+        raise FrontierRunError(f"not a frontier run folder (no spec.json): {out}")
+    with folder.writer(create=False):
+        r = analyse_run(out)
+        paths = write_outputs(out, r)
+        return r, paths, None if page is None else page(out, r.ds)
+
+
 def _run_frontier_locked(spec, folder: RunFolder, workers: int, say, t0: float, executor: str) -> RunSummary:
     out = folder.root
     folder.claim(spec.hash, spec.record())

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from statelab.experiments import lifeline
 from statelab.experiments.worker import MARKER, STARTED
 from statelab.lab.archive import load_capture
 from statelab.runtime import ContextPool
@@ -135,6 +136,7 @@ def run_tasks(tasks: list[dict], lanes: int, emit, started=None, *, work: Work,
 
 def main(prog: str, argv, *, work: Work, failed: Callable[[dict, str], dict], load: Callable[[dict], object]) -> int:
     """A batch process: tasks from stdin, marked records on stdout (see the module text)."""
+    lifeline.die_with_parent()  # the runner's kill -9 ends this process too
     ap = argparse.ArgumentParser(prog=f"python -m {prog}")
     ap.add_argument("--lanes", type=int, default=1, help="units at once, each lane in its own contexts")
     args = ap.parse_args(argv)

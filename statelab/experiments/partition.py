@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 from statelab.analysis.classes import endpoint_class, first_difference, kv_profile_dataset, trajectory_classes
 from statelab.analysis.frontier import _top_two
+from statelab.errors import ConfigError
 from statelab.kvstate import compare
-from statelab.lab.formation import PRESETS, Schedule, parse_schedule, partition_sweep, prefill
+from statelab.lab.formation import PRESETS, Schedule, paper_sweep, parse_schedule, partition_sweep, prefill
 from statelab.lab.intervene import config_of, cross, natural, sham
 from statelab.lab.receiver import DEFAULT_CAP, continue_greedy
 from statelab.runtime import Context
@@ -122,6 +123,8 @@ def check_stated_formation(model, capture) -> None:
 def sweep_schedules(model, prompt, schedules: str | None = None) -> list[Schedule]:
     """The schedules of a partition sweep: a comma list, or by default A then the partition
     sweep of the prompt's length."""
+    if schedules == "paper":
+        return paper_sweep(len(model.tokenize(prompt.text)))
     if schedules:
         return [parse_schedule(s) for s in schedules.split(",")]
     return [PRESETS["A"]] + partition_sweep(len(model.tokenize(prompt.text)))
@@ -146,6 +149,55 @@ def sweep(model, prompt, schedules: list[Schedule], base, cap: int = DEFAULT_CAP
             progress()
     return {"prompt": prompt.id, "rows": rows, "endpoint_classes": trajectory_classes(endpoints),
             "state_classes": trajectory_classes(states)}
+
+
+def sweep_table(results: list[dict]) -> str:
+    """Several prompts' sweeps (:func:`sweep`) as one Markdown table: per prompt its state and
+    endpoint classes, and per schedule ``s/e`` (its state class / endpoint class, 0 = the
+    first schedule's) with the first output that differs from the first schedule's; then the
+    counts over prompts (every one with its denominator)."""
+    if not results:
+        return "(no prompts)\n"
+    names = [r["schedule"] for r in results[0]["rows"]]
+
+    def index(classes: list, name: str) -> int:
+        return next(i for i, c in enumerate(classes) if name in c)
+
+    head = "| prompt | tokens | state classes | endpoint classes | " + " | ".join(names) + " |"
+    lines = [head, "|" + "---|" * (4 + len(names))]
+    same_state_other_end = other_state_same_end = 0
+    for r in results:
+        own = [x["schedule"] for x in r["rows"]]
+        if len(own) != len(names):
+            raise ConfigError(f"{r['prompt']}: {len(own)} schedules, not the {len(names)} of {results[0]['prompt']}")
+        first = own[0]
+        st = {n: index(r["state_classes"], n) - index(r["state_classes"], first) for n in own}
+        en = {n: index(r["endpoint_classes"], n) - index(r["endpoint_classes"], first) for n in own}
+        # class labels in order of first appearance along the schedules: the first schedule's is 0
+        s_ord = list(dict.fromkeys(index(r["state_classes"], x) for x in own))
+        e_ord = list(dict.fromkeys(index(r["endpoint_classes"], x) for x in own))
+        cells = []
+        for row in r["rows"]:
+            n = row["schedule"]
+            s_cls = s_ord.index(index(r["state_classes"], n))
+            e_cls = e_ord.index(index(r["endpoint_classes"], n))
+            fd = "=" if row["first_diff"] is None else str(row["first_diff"])
+            cells.append(f"{s_cls}/{e_cls} ({fd})")
+            same_state_other_end += int(st[n] == 0 and en[n] != 0)
+            other_state_same_end += int(st[n] != 0 and en[n] == 0)
+        lines.append(f"| {r['prompt']} | {r['rows'][0]['n_prompt']} | {len(r['state_classes'])} | "
+                     f"{len(r['endpoint_classes'])} | " + " | ".join(cells) + " |")
+    n = len(results) * (len(names) - 1)
+    multi_s = sum(1 for r in results if len(r["state_classes"]) > 1)
+    multi_e = sum(1 for r in results if len(r["endpoint_classes"]) > 1)
+    caps = sorted({x["length"] for r in results for x in r["rows"]})
+    return ("\n".join(lines) + "\n\n"
+            f"Cells: state class / endpoint class (0 = the class of {names[0]}, then numbered along the schedules) and, "
+            f"in brackets, the first output that differs from {names[0]}'s endpoint (= none). Prompts with more than "
+            f"one state class: {multi_s} / {len(results)}; with more than one endpoint class: {multi_e} / "
+            f"{len(results)}. Of the {n} (prompt, schedule other than {names[0]}) pairs: {other_state_same_end} form "
+            f"another state than {names[0]} and keep its endpoint; {same_state_other_end} form {names[0]}'s state "
+            f"and end elsewhere (must be 0). Endpoint lengths: {', '.join(map(str, caps))}.\n")
 
 
 def partition_dataset(results: list[PromptResult], backend: str, cap: int):

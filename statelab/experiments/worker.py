@@ -9,6 +9,7 @@ import json
 import sys
 import time
 
+from statelab.experiments import lifeline
 from statelab.experiments.forkserver import resolve
 
 MARKER = "STATELAB_UNIT "
@@ -16,6 +17,7 @@ STARTED = "STATELAB_STARTED "  # a batch process took this task (JSON key): see 
 
 
 def main() -> int:
+    lifeline.die_with_parent()  # the runner's kill -9 ends this process too
     t0 = time.perf_counter()
     req = json.loads(sys.stdin.read())
     rec = resolve(req["fn"])(req["task"])

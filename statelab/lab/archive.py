@@ -28,7 +28,8 @@ import numpy as np
 from statelab.errors import IdentityError, StatelabError
 from statelab.kvstate import KVFormatError, KVState, MemoryLayout, v_layout
 from statelab.lab.formation import Capture, Schedule
-from statelab.paths import REPLACED, clean_stale_temporaries, read_json_record, temp_prefix
+from statelab.paths import (REPLACED, clean_stale_temporaries, output_lock, read_json_record, rename_noreplace,
+                            temp_prefix)
 from statelab.runtime.context import KV_TYPES
 
 FORMAT = "statelab.capture/2"  # /2: sealed manifest
@@ -75,15 +76,22 @@ def _check_replaceable(dest: Path, fmt: str) -> None:
 
 def write_files_atomic(dest: Path, files: dict[str, bytes], manifest: dict, overwrite: bool = False) -> Path:
     """Write files + the sealed manifest.json into a temporary sibling folder, then rename it
-    to dest.  With ``overwrite`` an existing dest is replaced only when it is an archive of
-    the same format that holds nothing but its own files.  Temporary folders that a killed
-    writer left for dest are removed first."""
+    to dest.  One writer per dest at a time (:func:`statelab.paths.output_lock`; a second is
+    refused).  Without ``overwrite`` an existing dest, even one that appeared meanwhile, is
+    never moved or replaced (the rename refuses to replace); with it dest is replaced only
+    when it is an archive of the same format that holds nothing but its own files.
+    Temporary folders that a killed writer left for dest are removed first."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(dest, ArchiveError):
+        return _write_files_locked(dest, files, manifest, overwrite)
+
+
+def _write_files_locked(dest: Path, files: dict[str, bytes], manifest: dict, overwrite: bool) -> Path:
     clean_stale_temporaries(dest)  # first: it puts back an old version a killed replacing writer moved aside
     if dest.exists() or dest.is_symlink():
         if not overwrite:
-            raise ArchiveError(f"output already exists: {dest} (choose another path or pass overwrite)")
+            raise _exists(dest)
         _check_replaceable(dest, manifest["format"])
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(dest), dir=dest.parent))
     old = None
@@ -96,10 +104,13 @@ def write_files_atomic(dest: Path, files: dict[str, bytes], manifest: dict, over
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-        if dest.exists():  # a folder cannot be renamed over a full one: the old one steps aside first
+        if overwrite and dest.exists():  # a folder cannot be renamed over a full one: the old one steps aside first
             old = dest.with_name(temp_prefix(dest) + REPLACED)
             os.replace(dest, old)
-        os.replace(tmp, dest)
+        try:
+            rename_noreplace(tmp, dest)
+        except FileExistsError:
+            raise _exists(dest) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not dest.exists():
@@ -108,6 +119,10 @@ def write_files_atomic(dest: Path, files: dict[str, bytes], manifest: dict, over
     if old is not None:
         shutil.rmtree(old)
     return dest
+
+
+def _exists(dest: Path) -> ArchiveError:
+    return ArchiveError(f"output already exists: {dest} (choose another path or pass overwrite)")
 
 
 def read_manifest(src: Path, fmt: str) -> dict:

@@ -128,6 +128,23 @@ def partition_sweep(n_prompt: int, splits=(1, 16, 32, 64, 96, 128), ubatches=(1,
     return out
 
 
+def paper_sweep(n_prompt: int) -> list[Schedule]:
+    """Nineteen schedules of the kinds the paper's partition sweep uses (its Table S9 lists 19;
+    the table's body is not in the text this project has, so this is the same kinds, not the
+    same list): A, B (128 + rest), C (ubatch 128), R (token by token); whole-prompt submission
+    at ubatch 2, 4, 8, 16, 32, 64, 256; external splits 1, 16, 32, 64, 96 and 129 + rest and
+    the one that leaves one token (``(n-1)+1``, the paper's 132+1 on a 133-token prompt); and B's
+    split at ubatch 64.  Needs n > 130."""
+    if n_prompt <= 130:
+        raise ConfigError(f"the paper's sweep needs a prompt of more than 130 tokens (129 + rest, n-1 + 1 "
+                          f"distinct from it); this one has {n_prompt}")
+    out = [PRESETS[a] for a in "ABCR"]
+    out += [Schedule(f"ub{u}", (REST,), u, max(DEFAULT_BATCH, u)) for u in (2, 4, 8, 16, 32, 64, 256)]
+    out += [Schedule(f"{s}+rest", (s, REST), 512) for s in (1, 16, 32, 64, 96, 129)]
+    out += [Schedule("(n-1)+1", (n_prompt - 1, REST), 512), Schedule("128+rest@ub64", (128, REST), 64)]
+    return out
+
+
 @dataclass
 class Capture:
     """The state formed by a schedule: the model's view at the end of the prompt."""

@@ -40,7 +40,7 @@ from statelab.errors import IdentityError, StatelabError
 from statelab.kvstate import KVFormatError, KVState, SEQ_STATE_MAGIC, is_quantised, type_name, v_layout
 from statelab.lab.formation import Capture, REST, Schedule, context_config_for
 from statelab.models import read_model_info
-from statelab.paths import atomic_write_bytes
+from statelab.paths import atomic_write_bytes, output_lock
 from statelab.runtime import Context, context_identity
 from statelab.runtime.context import KV_TYPES
 from statelab.runtime.statefile import make_llama_state
@@ -612,7 +612,12 @@ def export_state_file(capture: Capture, path, kind: str = "seq", model_path=None
         raise InteropError(f"output already exists: {p}" + ("" if p.is_file() else " (not a file)"))
     arch = model_arch(capture, model_path) if kind == "whole" else None
     data = encode_state_file(kind, capture.tokens, capture.blob, arch, n_stream)
-    return atomic_write_bytes(p, data)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(p, InteropError):  # one writer; without overwrite a file that appeared meanwhile stays
+        try:
+            return atomic_write_bytes(p, data, replace=overwrite)
+        except FileExistsError:
+            raise InteropError(f"output already exists: {p}") from None
 
 
 # --------------------------------------------------------------------------- llama-cpp-python

@@ -5,7 +5,7 @@ kept between calls (the soak and long-lived workers build many of them)."""
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import xarray as xr
@@ -264,4 +264,25 @@ def histogram(values: Sequence[float], xlabel: str, title: str = "", bins: int =
     ax.set_xlabel(xlabel, fontsize=9)
     ax.set_ylabel("count", fontsize=9)
     ax.set_title(title, fontsize=10)
+    return png_bytes(fig)
+
+
+def histograms(groups: Mapping[str, Sequence[float]], xlabel: str, title: str = "", bins: int = 30) -> bytes:
+    """One histogram panel per group of finite values, side by side, each with its own count
+    axis (a message figure when no group has a value)."""
+    xs = {k: np.asarray([v for v in vs if v is not None and np.isfinite(v)], dtype=np.float64)
+          for k, vs in groups.items()}
+    if not any(x.size for x in xs.values()):
+        return _message(f"{title}: nothing to draw")
+    fig = _figure(3.2 * len(xs) + 0.6, 3.2)
+    for i, (name, x) in enumerate(xs.items(), 1):
+        ax = fig.add_subplot(1, len(xs), i)
+        if x.size:
+            ax.hist(x, bins=min(bins, max(1, np.unique(x).size)), color=CLASS_COLOURS["B"], edgecolor="white")
+        else:
+            ax.text(0.5, 0.5, "none", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel(xlabel, fontsize=9)
+        ax.set_ylabel("count", fontsize=9)
+        ax.set_title(name, fontsize=9)
+    fig.suptitle(title, fontsize=10)
     return png_bytes(fig)

@@ -144,9 +144,11 @@ class Model(Closing):
         return bool(llama().llama_vocab_is_eog(self.vocab, int(token)))
 
     def close(self):
-        if getattr(self, "ptr", None):
-            llama().llama_model_free(self.ptr)
-            self.ptr = None
+        # exactly once: the pointer is taken before the native free, so a second call (the
+        # finaliser after an interrupted close, a Ctrl-C between the two lines) frees nothing
+        ptr, self.ptr = getattr(self, "ptr", None), None
+        if ptr:
+            llama().llama_model_free(ptr)
 
 
 @dataclass
@@ -416,13 +418,22 @@ class Context(Closing):
         llama().llama_perf_context_reset(self.ptr)
 
     def close(self):
+        # exactly once per native object: each handle is taken (and the attribute cleared)
+        # before its free, so a second call (the finaliser after a close that a Ctrl-C
+        # interrupted) frees nothing twice; a handle an interrupted __init__ never made is skipped
+        ptr, self.ptr = getattr(self, "ptr", None), None
+        batch, self._batch = getattr(self, "_batch", None), None
+        greedy, self._greedy = getattr(self, "_greedy", None), None
+        if not (ptr or batch is not None or greedy):
+            return
         L = llama()
-        if getattr(self, "ptr", None):
-            L.llama_batch_free(self._batch)
-            L.llama_sampler_free(self._greedy)
+        if batch is not None:
+            L.llama_batch_free(batch)
+        if greedy:
+            L.llama_sampler_free(greedy)
+        if ptr:
             with _CONTEXT_LIFECYCLE:
-                L.llama_free(self.ptr)
-            self.ptr = None
+                L.llama_free(ptr)
 
 
 class ContextPool(Closing):

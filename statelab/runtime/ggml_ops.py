@@ -480,19 +480,22 @@ class OpGraph(Closing):
         return out
 
     def close(self):
+        # exactly once: every handle is taken (its attribute cleared) before its free
+        placed, self._placed = getattr(self, "_placed", None) or [], []
+        buffer, self._buffer = getattr(self, "_buffer", None), None
+        backend, self._backend = getattr(self, "_backend", None), None
+        ctx, self.ctx = getattr(self, "ctx", None), None
+        if not (placed or buffer or backend or ctx):
+            return
         g = ggml()
-        for buf in self._placed:
+        for buf in placed:
             g.ggml_backend_buffer_free(buf)
-        self._placed = []
-        if self._buffer:
-            g.ggml_backend_buffer_free(self._buffer)
-            self._buffer = None
-        if self._backend:
-            g.ggml_backend_free(self._backend)
-            self._backend = None
-        if self.ctx:
-            g.ggml_free(self.ctx)
-            self.ctx = None
+        if buffer:
+            g.ggml_backend_buffer_free(buffer)
+        if backend:
+            g.ggml_backend_free(backend)
+        if ctx:
+            g.ggml_free(ctx)
 
 
 @lru_cache(maxsize=1)

@@ -18,6 +18,14 @@ summation order of a 1-row product, for every weight type and backend. The repai
 part in the graph-reuse check, like the attention layout. `weight_repair_available()` tells
 whether the loaded library carries that patch; a "+W" family raises LayoutError without it.
 
+PQ and QB promise that each query row is computed as its 1-row decode, so they also turn on the
+row-invariance hint of native/patches/0005-row-invariant-kernels.patch where the library carries
+it: every weight product is marked, and ggml-cuda's quantized matrix-vector kernel then keeps for
+5-8 rows the reduction split it uses for 1-4 rows (natively it halves its warps for 5-8 rows, so
+verifies of more than 4 rows differed from 1-row decodes on CUDA). MQ, GS and the "+W" families
+leave it off (native kernels; "+W" computes 1-row products anyway). Backends without such a kernel
+ignore the hint.
+
 The C functions are bound on first use, so this module imports on an unpatched build;
 `available()` then returns False and every other call raises LayoutError.
 
@@ -37,6 +45,7 @@ ABI_VERSION = 1
 LAYOUTS = {"MQ": 0, "PQ": 1, "QB": 2}
 NAMES = {v: k for k, v in LAYOUTS.items()}
 WEIGHT_REPAIR_VERSION = 1  # LLAMA_STATELAB_WEIGHT_REPAIR_VERSION
+ROW_INVARIANT_KERNELS_VERSION = 1  # LLAMA_STATELAB_ROW_INVARIANT_KERNELS_VERSION
 REPAIR_SUFFIX = "+W"
 # every layout family: attention layout, weight products row by row
 FAMILIES = {**{k: (k, False) for k in LAYOUTS}, **{k + REPAIR_SUFFIX: (k, True) for k in LAYOUTS}}
@@ -68,6 +77,12 @@ class Layout(str, Enum):
     def repair(self) -> bool:
         """Row-by-row weight products (patch 0003)."""
         return self.value.endswith(REPAIR_SUFFIX)
+
+    @property
+    def row_invariant_kernels(self) -> bool:
+        """The row-invariance hint on weight products (patch 0005): PQ and QB, whose rows must
+        equal 1-row decodes; the "+W" families compute 1-row products already."""
+        return self in (Layout.PQ, Layout.QB)
 
     @property
     def needs_patch(self) -> bool:
@@ -115,9 +130,13 @@ _SIGNATURES = {
                                            ctypes.c_size_t], _i32),
     "llama_statelab_get_weight_counters": ([_vp, ctypes.POINTER(_u64), ctypes.POINTER(_u64)], None),
     "llama_statelab_get_state_copies": ([ctypes.POINTER(_u64), ctypes.POINTER(_u64)], None),
+    "llama_statelab_row_invariant_kernels_version": ([], _i32),
+    "llama_statelab_set_row_invariant_kernels": ([_vp, _i32], _i32),
+    "llama_statelab_get_row_invariant_kernels": ([_vp], _i32),
 }
 _PATCH_OF = {name: "0003-row-invariant-weight-products.patch" for name in _SIGNATURES if "weight" in name}
 _PATCH_OF["llama_statelab_get_state_copies"] = "0004-state-copies-2d.patch"
+_PATCH_OF.update({name: "0005-row-invariant-kernels.patch" for name in _SIGNATURES if "row_invariant" in name})
 _fns: dict[str, object] = {}
 
 
@@ -208,6 +227,22 @@ def weight_repair_available() -> bool:
         return False
 
 
+def row_invariant_kernels_available() -> bool:
+    """True when the loaded libllama carries the row-invariance hint (patch 0005)."""
+    if not available():
+        return False
+    try:
+        return int(_fn("llama_statelab_row_invariant_kernels_version")()) == ROW_INVARIANT_KERNELS_VERSION
+    except StatelabError:
+        return False
+
+
+def get_row_invariant_kernels(ctx) -> bool:
+    """Whether ctx's weight products carry the row-invariance hint (False without patch 0005)."""
+    _require()
+    return row_invariant_kernels_available() and _fn("llama_statelab_get_row_invariant_kernels")(_ptr(ctx)) == 1
+
+
 def parse_family(name: str) -> tuple[str, bool]:
     """("QB", True) for "QB+W": the attention layout and whether weight products are repaired."""
     key = str(name).strip().upper()
@@ -228,6 +263,9 @@ def set_layout(ctx, name: str) -> None:
         raise LayoutError(f"llama.cpp rejected attention layout {attn}")
     if have_repair and _fn("llama_statelab_set_weight_repair")(_ptr(ctx), int(repair)) != 0:
         raise LayoutError(f"llama.cpp rejected weight repair {int(repair)}")
+    hint = Layout.parse(name).row_invariant_kernels
+    if row_invariant_kernels_available() and _fn("llama_statelab_set_row_invariant_kernels")(_ptr(ctx), int(hint)) != 0:
+        raise LayoutError(f"llama.cpp rejected row-invariant kernels {int(hint)}")
 
 
 def get_layout(ctx) -> str:

@@ -23,9 +23,11 @@ micrograph); acceptance by greedy match, correction or bonus; rejected positions
 removed from the target's cache and the drafter's; the pending token is consumed (decoded
 into KV) exactly once.
 
-Drafters: a draft model (`self`, `derive:N`, a GGUF path) with its own context, or the
-model-free n-gram drafter `ngram[:NMIN-NMAX]` (prompt lookup over prompt + output).  k can
-adapt within [1, k_max] from the last cycle's acceptance.
+Drafters (:mod:`.drafters`, one grammar): a draft model (`self`, `derive:N`, a GGUF path)
+with its own context, or the model-free n-gram drafter `ngram[:NMIN-NMAX][+session]` (prompt
+lookup over prompt + output, and with +session over the session's earlier outputs).  k can
+adapt within [1, k_max] from the last cycle's acceptance; a gate (calibrated verify costs)
+submits a proposal only when its expected gain is positive.
 """
 from __future__ import annotations
 
@@ -37,13 +39,23 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from statelab.analysis.classes import first_difference
-from statelab.errors import ConfigError, DecodeError, IdentityError
+from statelab.errors import ConfigError
 from statelab.lab.receiver import Endpoint, check_cap
 from statelab.limits import check_threads, check_tokens, int_list
-from statelab.models import resolve_model
 from statelab.runtime import Context, ContextConfig, layouts
 from statelab.runtime.layouts import Layout
-from statelab.speculative.derive import same_vocabulary
+from statelab.speculative.drafters import (
+    Drafter,
+    Gate,
+    ModelDrafter,
+    NgramDrafter,
+    VerifyCosts,
+    check_vocabulary,
+    is_ngram,  # noqa: F401 (re-exported: older callers import it from here)
+    parse_ngram,  # noqa: F401 (re-exported)
+    remove_after,
+    resolve,
+)
 
 # the layouts an arm may name (runtime.layouts.Layout holds their properties)
 SPEC_LAYOUTS = (Layout.MQ, Layout.PQ, Layout.QB, Layout.GS, Layout.PQ_W, Layout.QB_W)
@@ -89,7 +101,7 @@ class Arm:
     reference: bool = False
 
     @classmethod
-    def parse(cls, name: str) -> "Arm":
+    def parse(cls, name: str) -> Arm:
         if not ARM_RE.match(name):
             raise ConfigError(f"unknown arm {name!r}; use R, M0, C0, M_QB, M_PQ, M_GS, C_QB, C_PQ, C_GS, "
                               "M_QB+W, M_PQ+W, C_QB+W, C_PQ+W")
@@ -112,6 +124,7 @@ class Counters:
     layout_not_admitted: int = 0
     verify_calls: int = 0  # continuation calls of the target (cycles; one per token for target-only arms)
     verify_rows: int = 0  # rows submitted by those calls (padding included)
+    declined: int = 0  # cycles whose proposal the gate did not submit (expected gain not positive)
     committed: int = 0  # output tokens committed by the continuation (the first comes from the prefill)
     graph_builds: int = 0  # target graphs built / reused by llama.cpp during the continuation
     graph_reuses: int = 0  # (-1 when the layout patch, which counts them, is absent)
@@ -128,13 +141,6 @@ class Counters:
     def counts(self) -> dict:
         """The counts alone (no times): equal for two arms that took the same steps."""
         return {k: v for k, v in asdict(self).items() if not k.startswith("t_")}
-
-
-def _remove_after(ctx, pos: int) -> None:
-    """Roll a context's cache back to the positions before ``pos`` (a rejected verify's rows)."""
-    if not ctx.seq_rm(0, pos, -1):
-        raise DecodeError(f"the KV memory refused to remove positions >= {pos}: a recurrent or hybrid memory "
-                          "cannot roll back a speculative verify")
 
 
 class PhaseGuard:
@@ -164,125 +170,6 @@ class PhaseGuard:
                 layouts.set_layout(ctx, prev)
         else:
             yield want
-
-
-# -- drafters ------------------------------------------------------------------------
-
-class Drafter:
-    """Proposes up to k tokens that would follow the committed history.
-
-    The history is the prompt followed by every committed output token; its last token is
-    the pending one (committed, not yet in the target's KV).  `settle` hears how many of the
-    proposals the target accepted, so a drafter with its own state can roll back."""
-
-    name = "?"
-
-    def start(self, prompt_tokens: np.ndarray) -> None:
-        """A new request: the prompt is about to be prefilled."""
-
-    def propose(self, history: np.ndarray, k: int) -> np.ndarray:
-        raise NotImplementedError
-
-    def settle(self, n_past: int, props: np.ndarray, accepted: int) -> None:
-        """After verification: `accepted` of `props` (proposed at positions n_past + 1..) were kept."""
-
-
-NGRAM_RE = re.compile(r"^ngram(?::(\d+)(?:-(\d+))?)?$")
-NGRAM_DEFAULT = (2, 4)
-
-
-def is_ngram(draft: str | None) -> bool:
-    return isinstance(draft, str) and draft.startswith("ngram")
-
-
-def parse_ngram(draft: str) -> tuple[int, int]:
-    """'ngram' -> the default range; 'ngram:N' -> (N, N); 'ngram:NMIN-NMAX'."""
-    m = NGRAM_RE.match(draft.strip())
-    if not m:
-        raise ConfigError(f"bad n-gram drafter {draft!r}; use ngram, ngram:N or ngram:NMIN-NMAX (e.g. ngram:2-4)")
-    if m.group(1) is None:
-        return NGRAM_DEFAULT
-    lo = int(m.group(1))
-    hi = int(m.group(2)) if m.group(2) is not None else lo
-    if not 1 <= lo <= hi <= 64:
-        raise ConfigError(f"n-gram range {draft!r} must satisfy 1 <= NMIN <= NMAX <= 64")
-    return lo, hi
-
-
-class NgramDrafter(Drafter):
-    """Prompt lookup: the tokens that followed the most recent earlier occurrence of the last
-    n tokens of the history (prompt + output so far), longest n first (NMAX down to NMIN).
-    No model and no state: a proposal is a few vectorised comparisons over the history."""
-
-    def __init__(self, nmin: int = NGRAM_DEFAULT[0], nmax: int = NGRAM_DEFAULT[1]):
-        if not 1 <= nmin <= nmax:
-            raise ConfigError(f"n-gram range needs 1 <= NMIN <= NMAX, got {nmin}-{nmax}")
-        self.nmin, self.nmax = int(nmin), int(nmax)
-        self.name = f"ngram:{self.nmin}-{self.nmax}"
-
-    def match(self, history: np.ndarray) -> tuple[int, int]:
-        """(n, j): the longest suffix length n in [NMIN, NMAX] that occurred earlier and the end
-        j of its most recent earlier occurrence (j < len - 1); (0, -1) when none did."""
-        h = history
-        last = len(h) - 1
-        if last < 1:
-            return 0, -1
-        ends = np.flatnonzero(h[:last] == h[last])  # ends of earlier occurrences of length 1
-        best = (1, int(ends[-1])) if self.nmin == 1 and len(ends) else (0, -1)
-        for n in range(2, self.nmax + 1):  # grow the match one token to the left
-            ends = ends[ends >= n - 1]
-            ends = ends[h[ends - (n - 1)] == h[last - (n - 1)]]
-            if not len(ends):
-                break
-            if n >= self.nmin:
-                best = (n, int(ends[-1]))
-        return best
-
-    def propose(self, history: np.ndarray, k: int) -> np.ndarray:
-        n, j = self.match(history)
-        if n == 0 or k < 1:
-            return history[:0]
-        return history[j + 1:j + 1 + k]
-
-
-class ModelDrafter(Drafter):
-    """A draft model (the target itself, a derived truncation or another GGUF) with its own
-    context: it consumes the pending token, then its own greedy proposals; rejected positions
-    are removed from its cache."""
-
-    def __init__(self, ctx, tx: "Transaction", name: str = "model"):
-        self.d, self.tx, self.name = ctx, tx, name
-
-    def start(self, prompt_tokens: np.ndarray) -> None:
-        tx = self.tx
-        self.d.clear()
-        with tx.guard.scope(self.d, "draft"):
-            n_batch = self.d.config.n_batch
-            for s in range(0, len(prompt_tokens), n_batch):
-                chunk = prompt_tokens[s:s + n_batch]
-                self.d.decode(chunk, s, logits="none" if s + len(chunk) < len(prompt_tokens) else None)
-                tx.c.draft_callers += 1
-        tx.guard.phase["draft"] = "continuation"
-
-    def propose(self, history: np.ndarray, k: int) -> np.ndarray:
-        tx, pos = self.tx, len(history) - 1
-        props = np.empty(k, dtype=np.int32)
-        tok = int(history[-1])
-        for i in range(k):  # consume pending, then its own proposals
-            with tx.guard.scope(self.d, "draft"):
-                self.d.decode([tok], pos + i)
-                tx.c.draft_callers += 1
-            tok = props[i] = self.d.greedy_row(-1)
-        return props
-
-    def settle(self, n_past: int, props: np.ndarray, accepted: int) -> None:
-        k = len(props)
-        if accepted < k:
-            _remove_after(self.d, n_past + accepted + 1)
-        elif k:  # all accepted: the draft has not yet consumed its last proposal
-            with self.tx.guard.scope(self.d, "draft"):
-                self.d.decode(props[-1:], n_past + k, logits="none")
-                self.tx.c.draft_callers += 1
 
 
 class AdaptiveK:
@@ -335,8 +222,8 @@ class Transaction:
     removed afterwards): under QB every row is computed independently of the others, so the
     padding changes no committed logit while the graph keeps one shape and is reused."""
 
-    def __init__(self, arm: Arm, target_ctx, draft_ctx=None, k: int = 3, mask: int = 3, drafter: "Drafter | None" = None,
-                 k_max: int | None = None, fixed_rows: bool = False):
+    def __init__(self, arm: Arm, target_ctx, draft_ctx=None, k: int = 3, mask: int = 3, drafter: Drafter | None = None,
+                 k_max: int | None = None, fixed_rows: bool = False, gate: Gate | None = None):
         self.arm, self.t = arm, target_ctx
         self.kpolicy = AdaptiveK(k, k_max)
         self.k = self.kpolicy.k
@@ -345,9 +232,10 @@ class Transaction:
         if arm.draft and drafter is None:
             if draft_ctx is None:
                 raise ConfigError(f"arm {arm.name} needs a draft model or a model-free drafter")
-            drafter = ModelDrafter(draft_ctx, self)
-        self.drafter = drafter
+            drafter = ModelDrafter()
+        self.drafter = drafter.bind(draft_ctx, self) if drafter is not None else None
         self.fixed_rows = bool(fixed_rows) and arm.layout != "GS"
+        self.gate = gate
 
     # -- decode helpers --------------------------------------------------
     def _step(self, tok: int, pos: int) -> int:
@@ -448,6 +336,10 @@ class Transaction:
         rows_fixed = kp.k_max + 1
         verify = np.empty(rows_fixed, dtype=np.int32)
         graphs = _graph_counter(self.t)
+        gate, prev_rows = self.gate, 0
+        if gate is not None:
+            gate.start()
+            gate.declined = 0
         t_start = time.perf_counter()
         while True:
             n_out = L - n0
@@ -455,16 +347,20 @@ class Transaction:
                 break
             n_past = L - 1
             t0 = time.perf_counter()
-            props = self.drafter.propose(hist[:L], min(kp.k, cap - n_out))
+            props = full = self.drafter.propose(hist[:L], min(kp.k, cap - n_out))
             p = len(props)
+            if gate is not None:  # submit only what is expected to pay for its rows
+                p = gate.choose(self.drafter.key, p, prev_rows, rows_fixed if self.fixed_rows else None)
+                props = props[:p]
             t1 = time.perf_counter()
             c.t_draft += t1 - t0
             verify[0] = hist[L - 1]
             verify[1:p + 1] = props
             rows = p + 1
-            if self.fixed_rows:
+            if self.fixed_rows and (gate is None or p or gate.plain(prev_rows, rows_fixed)[0] > 1):
                 verify[rows:] = verify[rows - 1]
                 rows = rows_fixed
+            prev_rows = rows
             choices = self._verify(verify[:rows], n_past, p + 1)
             t2 = time.perf_counter()
             agree = props == choices[:p]
@@ -474,12 +370,15 @@ class Transaction:
             c.cycles += 1
             c.verify_calls += 1
             kp.update(p, m)
+            if gate is not None:
+                gate.update(self.drafter.key, p, m)
+                c.declined = gate.declined
             # the target's KV holds pending + props[:m] (+ rejected and padding rows): drop the rest
             if rows > m + 1:
-                _remove_after(self.t, n_past + m + 1)
+                remove_after(self.t, n_past + m + 1)
             if m < p:
                 c.rollbacks += 1
-            self.drafter.settle(n_past, props, m)
+            self.drafter.settle(n_past, full, m)  # all it proposed: a model drafter decoded them
             c.t_rollback += time.perf_counter() - t2
             new = np.append(props[:m], choices[m]).astype(np.int32)
             eog = np.flatnonzero([model.is_eog(int(t)) for t in new]) if len(new) > 1 else ()
@@ -560,29 +459,39 @@ class SpecConfig:
         return self.max_queries or self.target_ubatch
 
 
-def check_draft_paths(target_path, draft_path) -> None:
-    ok, why = same_vocabulary(resolve_model(target_path), resolve_model(draft_path))
-    if not ok:
-        raise IdentityError(f"the draft model does not share the target's vocabulary: {why}")
+check_draft_paths = check_vocabulary
 
 
 def check_draft(target_model, draft_model) -> None:
-    check_draft_paths(target_model.path, draft_model.path)
+    check_vocabulary(target_model.path, draft_model.path)
 
 
 class Runner:
     """Owns target and draft models and builds per-arm contexts.
 
-    draft: a model-free drafter spec (`ngram[:NMIN-NMAX]`) or None; a draft model is given
-    as draft_model instead."""
+    draft: a model-free drafter (its text, e.g. ``ngram:1-8+session``, or a :class:`Drafter`)
+    or None; a draft model is given as draft_model instead.  costs: arm -> the verify costs
+    (:class:`VerifyCosts`) its gate uses; an arm without costs submits every proposal.  The
+    drafter is one object for every request of this runner: a session drafter keeps the
+    outputs it is told to remember (``run(..., learn=True)``)."""
 
     def __init__(self, target_model, draft_model=None, cfg: SpecConfig | None = None, vocab_checked: bool = False,
-                 draft: str | None = None):
+                 draft: str | Drafter | None = None, costs: dict[str, VerifyCosts] | None = None):
         """vocab_checked: the caller already ran check_draft_paths on these files (before loading)."""
         self.tm, self.dm, self.cfg = target_model, draft_model, cfg or SpecConfig()
-        self.ngram = parse_ngram(draft) if is_ngram(draft) else None
+        self.drafter = resolve(draft, target_model) if isinstance(draft, str) else draft
+        if self.drafter is not None and self.drafter.needs_model and draft_model is None:
+            raise ConfigError(f"drafter {self.drafter.text!r} needs its draft model loaded (draft_model)")
+        if self.drafter is None and draft_model is not None:
+            self.drafter = ModelDrafter(getattr(draft_model, "path", None))
+        self.costs = dict(costs or {})
         if draft_model is not None and draft_model is not target_model and not vocab_checked:
             check_draft(target_model, draft_model)
+
+    @property
+    def ngram(self) -> tuple[int, int] | None:
+        d = self.drafter
+        return (d.nmin, d.nmax) if isinstance(d, NgramDrafter) else None
 
     def contexts(self, arm: Arm):
         c = self.cfg
@@ -602,7 +511,7 @@ class Runner:
         if Layout(arm.layout).needs_patch:
             layouts.set_max_queries(t, c.queries)
         d = None
-        if arm.draft and self.ngram is None:
+        if arm.draft and (self.drafter is None or self.drafter.needs_model):
             if self.dm is None:
                 raise ConfigError(f"arm {arm.name} needs a drafter (--draft)")
             dcfg = ContextConfig(backend=c.backend, n_ctx=c.n_ctx, n_batch=512, n_ubatch=1, n_threads=c.threads)
@@ -611,10 +520,13 @@ class Runner:
 
     def transaction(self, arm: Arm, t, d) -> Transaction:
         c = self.cfg
-        drafter = NgramDrafter(*self.ngram) if arm.draft and self.ngram else None
-        return Transaction(arm, t, d, c.k, c.mask, drafter=drafter, k_max=c.k_max, fixed_rows=c.fixed_rows)
+        gate = Gate(self.costs[arm.name]) if arm.draft and arm.name in self.costs else None
+        return Transaction(arm, t, d, c.k, c.mask, drafter=self.drafter if arm.draft else None, k_max=c.k_max,
+                           fixed_rows=c.fixed_rows, gate=gate)
 
-    def run(self, arm_name: str, prompt, warmup: bool = False) -> ArmResult:
+    def run(self, arm_name: str, prompt, warmup: bool = False, learn: bool = False) -> ArmResult:
+        """One request (after a short warm-up request when asked); with ``learn`` a session
+        drafter remembers its output for the next requests."""
         arm = Arm.parse(arm_name)
         t, d = self.contexts(arm)
         try:
@@ -630,7 +542,51 @@ class Runner:
             t.close()
             if d is not None:
                 d.close()
+        if learn and arm.draft and self.drafter is not None:
+            self.drafter.remember(ep.tokens)
         return ArmResult(arm.name, prompt.id, ep, dt, tx.c, prompt_sha256=prompt.sha256)
+
+    def measure_verify_costs(self, arm_name: str, prompt, calls: int = 5) -> VerifyCosts:
+        """Calibration of the gate on this device: after prefilling ``prompt``, the median time
+        of a verify call (decode + greedy choices, the transaction's own path) of r = 1 .. k_max+1
+        rows, each shape ``calls`` times after two warm-up calls (same shape: the graph reused),
+        then each shape ``calls`` times right after a call of another shape (rebuilt)."""
+        arm = Arm.parse(arm_name)
+        t, d = self.contexts(arm)
+        try:
+            tx = Transaction(arm, t, d, self.cfg.k, self.cfg.mask, drafter=None if d is not None else NgramDrafter(),
+                             k_max=self.cfg.k_max)
+            toks = np.asarray(self.tm.tokenize(prompt.text), dtype=np.int32)
+            n0 = len(toks)
+            tx._target_prefill(toks)
+            R = self.cfg.rows
+            pad = np.resize(toks, R).astype(np.int32)
+
+            def call(r: int) -> float:
+                t0 = time.perf_counter()
+                tx._verify(pad[:r], n0, r)
+                dt = time.perf_counter() - t0
+                remove_after(t, n0)
+                return dt
+
+            same = []
+            for r in range(1, R + 1):
+                call(r)
+                call(r)
+                same.append(float(np.median([call(r) for _ in range(calls)])))
+            change = []
+            for r in range(1, R + 1):
+                other = r % R + 1 if R > 1 else r
+                ts = []
+                for _ in range(calls):
+                    call(other)
+                    ts.append(call(r))
+                change.append(float(np.median(ts)))
+        finally:
+            t.close()
+            if d is not None:
+                d.close()
+        return VerifyCosts(tuple(same), tuple(change))
 
 
 def qualify(results: list[ArmResult]) -> list[ArmResult]:

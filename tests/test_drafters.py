@@ -1,0 +1,301 @@
+"""Drafters: one grammar (resolve), the session n-gram cache, the no-gain gate and its
+calibration, and what the campaign hands each block (feed, breakdown by group and prompt)."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from statelab.errors import ConfigError
+from statelab.speculative import drafters
+from statelab.speculative.drafters import Gate, NgramDrafter, VerifyCosts
+
+
+def _h(*toks):
+    return np.asarray(toks, dtype=np.int32)
+
+
+# -- the grammar -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,want", [("ngram", "ngram:2-4"), ("ngram:3", "ngram:3-3"), ("ngram:1-8", "ngram:1-8"),
+                                       ("ngram:1-8+session", "ngram:1-8+session"), ("ngram+session", "ngram:2-4+session"),
+                                       ("self", "self"), ("derive:4", "derive:4"), ("none", None), ("", None),
+                                       (None, None)])
+def test_check_accepts_every_kind(text, want):
+    assert drafters.check(text) == want
+
+
+@pytest.mark.parametrize("bad", ["bogus", "derive:", "derive:x", "derive:0", "ngrams", "ngram:", "ngram:4-2",
+                                 "ngram:1-8+cache", "session"])
+def test_check_rejects_in_one_line_built_from_the_kinds(bad):
+    with pytest.raises(ConfigError) as e:
+        drafters.check(bad)
+    msg = str(e.value)
+    assert "\n" not in msg
+    if not bad.startswith("ngram"):  # the n-gram forms say what an n-gram range must be
+        assert all(form in msg for form, _ in drafters.KINDS), msg
+
+
+def test_resolve_builds_the_drafter():
+    d = drafters.resolve("ngram:1-8+session")
+    assert isinstance(d, NgramDrafter) and d.session and (d.nmin, d.nmax) == (1, 8) and d.text == "ngram:1-8+session"
+    assert not drafters.resolve("ngram:2-4").session
+    m = drafters.resolve("self")
+    assert m.needs_model and m.path is None and m.text == "self"
+    assert drafters.resolve("none") is None
+    with pytest.raises(ConfigError, match="draft model not found"):
+        drafters.resolve("missing-draft.gguf")
+
+
+def test_cli_rejects_a_bad_drafter_in_one_line(capsys, monkeypatch):
+    """In process: the CLI's own main (one line on stderr, exit 2), before any model loads."""
+    from statelab.cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["statelab", "spec", "run", "-H", "2", "--arms", "C_QB", "--draft", "ngram:1-8+x",
+                                      "--cap", "4"])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "n-gram" in lines[0], err
+
+
+# -- the session cache ---------------------------------------------------------------------------
+
+def test_session_cache_proposes_from_earlier_outputs():
+    d = NgramDrafter(2, 4, session=True)
+    h = _h(1, 2, 3, 9, 8)  # the suffix (9 8) never occurred in the request
+    assert len(d.propose(h, 3)) == 0 and d.key is None
+    d.remember(_h(7, 9, 8, 4, 5, 6))
+    assert d.propose(h, 3).tolist() == [4, 5, 6] and d.key == ("session", 2)
+    # a continuation stops at the end of the earlier output (never runs into the next one)
+    d.remember(_h(0, 9, 8, 4))
+    assert d.propose(h, 3).tolist() == [4]  # the most recent occurrence; cut at its output's end
+    d2 = NgramDrafter(2, 4, session=True)
+    d2.remember(_h(9, 8, 4))
+    assert len(d2.propose(h, 3)) == 1
+    d2.forget()
+    assert len(d2.propose(h, 3)) == 0
+
+
+def test_session_cache_prefers_the_longer_match_and_the_request_on_ties():
+    d = NgramDrafter(1, 4, session=True)
+    d.remember(_h(1, 2, 3, 50, 51))
+    h = _h(2, 3, 60, 1, 2, 3)  # the request holds (2 3) -> 60; the session holds (1 2 3) -> 50
+    assert d.propose(h, 2).tolist() == [50, 51] and d.key == ("session", 3)
+    h = _h(7, 2, 3, 60, 1, 2, 3)  # now the request holds (2 3) and the session (1 2 3): longer wins
+    assert d.propose(h, 1).tolist() == [50]
+    d = NgramDrafter(1, 4, session=True)
+    d.remember(_h(2, 3, 50))
+    assert d.propose(_h(2, 3, 60, 2, 3), 1).tolist() == [60] and d.key == ("request", 2)
+
+
+def test_without_session_remember_keeps_nothing():
+    d = NgramDrafter(2, 4)
+    d.remember(_h(9, 8, 4, 5))
+    assert len(d.propose(_h(1, 9, 8), 3)) == 0
+
+
+def test_session_matches_a_brute_force_search():
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        outs = [rng.integers(0, 4, size=int(rng.integers(1, 12))).astype(np.int32) for _ in range(3)]
+        h = rng.integers(0, 4, size=int(rng.integers(1, 10))).astype(np.int32)
+        d = NgramDrafter(1, 3, session=True)
+        for o in outs:
+            d.remember(o)
+        got = d.propose(h, 4).tolist()
+
+        def best(seqs, lo, hi, h=h):
+            """Longest n in [lo, hi] first, most recent occurrence with a continuation."""
+            for n in range(min(hi, len(h)), lo - 1, -1):
+                hits = [(si, j) for si, s in enumerate(seqs) for j in range(n - 1, len(s) - 1)
+                        if list(s[j - n + 1:j + 1]) == list(h[len(h) - n:])]
+                if hits:
+                    si, j = hits[-1]
+                    return n, list(seqs[si][j + 1:j + 5])
+            return 0, []
+
+        n_req, want_req = best([h], 1, 3)
+        n_ses, want_ses = best(outs, 1, 3)
+        if n_req == n_ses == 3:  # both reach NMAX: the one matching further back
+            n_req, want_req = best([h], 3, drafters.EXTEND)
+            n_ses, want_ses = best(outs, 3, drafters.EXTEND)
+        want = want_ses if n_ses > n_req else want_req
+        assert got == want, (h.tolist(), [o.tolist() for o in outs])
+
+
+# -- the gate ---------------------------------------------------------------------------------
+
+def test_gate_declines_when_rows_cost_more_than_they_can_save():
+    dear = VerifyCosts(same=(1.0, 50.0, 50.0, 50.0), change=(1.0, 50.0, 50.0, 50.0))
+    g = Gate(dear)
+    assert g.choose(("request", 3), 3, 1, None) == 0 and g.declined == 1
+    assert g.choose(("request", 3), 3, 4, 4) == 0  # fixed rows: the padded verify is no cheaper either
+
+
+def test_gate_submits_when_rows_are_cheap_and_follows_acceptance():
+    cheap = VerifyCosts(same=(1.0, 1.1, 1.2, 1.3), change=(1.5, 1.6, 1.7, 1.8))
+    g = Gate(cheap)
+    assert g.choose("k", 3, 1, None) == 3  # rows follow p: the best length is all three
+    assert g.acceptance("new") == 0.75  # optimistic: a kind of match never tried is tried
+    for _ in range(30):  # a kind of match that is always rejected loses its proposals
+        g.update("bad", 3, 0)
+    assert g.choose("bad", 3, 1, None) == 0
+    for _ in range(30):
+        g.update("good", 3, 3)
+    assert g.acceptance("good") > 0.95 and g.choose("good", 3, 1, None) == 3
+    # a shape change dearer than the rows: staying at 4 rows beats a 1-row call even for a poor proposal ...
+    sticky = Gate(VerifyCosts(same=(1.0, 1.1, 1.2, 1.3), change=(4.0, 4.0, 4.0, 4.0)), stats=dict(g.stats))
+    assert sticky.choose("bad", 3, 4, None) == 3
+    # ... but not for ever: when 4 rows cost far more than one, the gate leaves them (the change paid once)
+    leave = Gate(VerifyCosts(same=(1.0, 2.0, 2.5, 3.0), change=(4.0, 4.0, 4.0, 4.0)), stats=dict(g.stats))
+    assert leave.choose("bad", 3, 4, 4) == 0 and leave.plain(4, 4) == (1, 1.75)
+    assert leave.choose("good", 3, 4, 4) == 3
+    # fixed rows, previous call 4 rows: no proposal keeps the padded 4-row call when that is cheaper
+    assert sticky.plain(4, 4) == (4, 1.3) and sticky.plain(1, 4) == (1, 1.0) and g.plain(1, 4) == (1, 1.0)
+    g.start()
+    assert g.stats == {}
+
+
+def test_verify_costs_round_trip_and_checks():
+    c = VerifyCosts((0.001, 0.002), (0.003, 0.004))
+    assert VerifyCosts.from_dict(c.as_dict()) == c and c.rows == 2 and c.cost(2, 2) == 0.002
+    # a shape change's extra is spread over the calls the new shape is expected to last
+    assert c.cost(2, 1) == pytest.approx(0.002 + (0.004 - 0.002) / drafters.SPAN) and c.cost(2, 0) == 0.002
+    with pytest.raises(ConfigError):
+        VerifyCosts((0.001,), (0.001, 0.002))
+
+
+# -- what the campaign hands each block ----------------------------------------------------------
+
+def test_feed_gives_each_block_its_sessions_earlier_outputs_and_costs():
+    from statelab.experiments.campaign import feed
+
+    jobs = [{"block": 0, "session": 0, "arm": "C_QB", "draft": "d", "calibrate": True, "prompt_index": -1}]
+    for s in (0, 1):
+        for pi in range(3):
+            for arm in ("R", "C_QB"):
+                jobs.append({"block": len(jobs), "session": s, "arm": arm, "draft": "d" if arm != "R" else None,
+                             "prompt_index": pi})
+    done = {"block-0": {"costs": {"same": [1.0], "change": [1.0]}, "records": []}}
+    for j in jobs[1:]:
+        if j["session"] == 0 and j["prompt_index"] < 2:
+            done[f"block-{j['block']}"] = {"records": [{"tokens": [j["prompt_index"], 100 + j["block"]]}]}
+    feed(jobs, done, session=True)
+    c = {(j["session"], j["arm"], j["prompt_index"]): j for j in jobs if not j.get("calibrate")}
+    assert c[(0, "C_QB", 0)]["session_outputs"] == []
+    assert c[(0, "C_QB", 2)]["session_outputs"] == [[0, 102], [1, 104]]  # its own arm's outputs, in session order
+    assert c[(0, "C_QB", 1)]["session_outputs"] == [[0, 102]]
+    assert c[(1, "C_QB", 2)]["session_outputs"] == [] and c[(1, "C_QB", 2)]["costs"] is None  # a new session
+    assert c[(0, "C_QB", 2)]["costs"] == {"same": [1.0], "change": [1.0]}
+    assert "session_outputs" not in c[(0, "R", 2)]
+
+
+def test_breakdown_by_group_and_prompt():
+    from statelab.experiments.campaign import (
+        CampaignSpec,
+        breakdown,
+        breakdown_markdown,
+        contrasts,
+        prompt_key,
+    )
+
+    spec = CampaignSpec(prompts=["HumanEval/57", "text:hello there"], arms=["R", "C_QB"], draft="ngram:1-8",
+                        resamples=200)
+    keys = [k for _, k in spec.prompt_table()]
+    recs = []
+    for s in range(3):
+        for key, speed in zip(keys, (2.0, 0.5)):
+            pid, sha = key.rsplit("@", 1)
+            for arm, sec in (("R", 1.0 + 0.01 * s), ("C_QB", (1.0 + 0.01 * s) / speed)):
+                recs.append({"arm": arm, "prompt": pid, "prompt_sha256": sha, "key": key, "session": s,
+                             "seconds": sec, "qualified": True})
+    assert prompt_key(recs[0]) == keys[0]
+    rows = contrasts(recs, spec.ratios[-1:], 1.02, 1, 200)
+    parts = breakdown(spec, recs, rows)
+    by = {(p["scope"], p["name"]): p for p in parts}
+    assert by[("prompt", keys[0])]["estimate"] == pytest.approx(2.0)
+    assert by[("prompt", keys[1])]["estimate"] == pytest.approx(0.5)
+    assert by[("group", "code")]["estimate"] == pytest.approx(2.0) and by[("group", "other")]["prompts"] == 1
+    md = "\n".join(breakdown_markdown(parts))
+    assert "1 of 2 prompts below 1.0" in md
+
+
+# -- on the real model ---------------------------------------------------------------------------
+
+def _layouts_or_skip():
+    from statelab.runtime import layouts
+
+    if not layouts.available():
+        pytest.skip("attention-layout patch not in this build")
+
+
+@pytest.mark.model
+def test_session_cache_accepts_more_on_a_repeated_request(model, he):
+    """A second identical request finds the first one's output in the session cache: it
+    accepts more per verify; both reproduce R exactly."""
+    from statelab.speculative.transaction import Runner, SpecConfig, qualify
+
+    _layouts_or_skip()
+    cfg = SpecConfig(k=3, k_max=7, fixed_rows=True, cap=24, threads=1)
+    runner = Runner(model, None, cfg, draft="ngram:2-6+session")
+    p = he("HumanEval/57")
+    ref = runner.run("R", p)
+    first = runner.run("C_QB", p, learn=True)
+    second = runner.run("C_QB", p, learn=True)
+    res = qualify([ref, first, second])
+    assert res[1].qualified and res[2].qualified
+    a, b = first.counters, second.counters
+    assert b.accepted > a.accepted and b.verify_calls < a.verify_calls, (a, b)
+    assert len(runner.drafter.corpus) == 2 * (first.endpoint.length + 1)
+
+
+@pytest.mark.model
+def test_gate_turns_drafting_off_when_verify_is_dear_and_output_stays_r(model, he):
+    from statelab.speculative.transaction import Runner, SpecConfig, qualify
+
+    _layouts_or_skip()
+    cfg = SpecConfig(k=3, fixed_rows=True, cap=16, threads=1)
+    p = he("HumanEval/155")
+    dear = VerifyCosts(same=(0.001, 1.0, 1.0, 1.0), change=(0.001, 1.0, 1.0, 1.0))
+    cheap = VerifyCosts(same=(0.001,) * 4, change=(0.001,) * 4)
+    off = Runner(model, None, cfg, draft="ngram:1-8", costs={"C_QB": dear})
+    on = Runner(model, None, cfg, draft="ngram:1-8", costs={"C_QB": cheap})
+    res = qualify([off.run("R", p), off.run("C_QB", p), on.run("C_QB", p)])
+    assert res[1].qualified and res[2].qualified
+    c_off, c_on = res[1].counters, res[2].counters
+    assert c_off.proposals == 0 and c_off.declined > 0 and c_off.verify_rows == c_off.verify_calls  # plain 1-row
+    assert c_on.proposals > 0 and c_on.declined == 0
+
+
+@pytest.mark.model
+def test_calibration_measures_every_row_count(model, he):
+    from statelab.speculative.transaction import Runner, SpecConfig
+
+    _layouts_or_skip()
+    runner = Runner(model, None, SpecConfig(k=2, k_max=3, fixed_rows=True, cap=8, threads=1), draft="ngram:1-8")
+    c = runner.measure_verify_costs("C_QB", he("HumanEval/155"), calls=2)
+    assert c.rows == 4 and all(x > 0 for x in c.same + c.change)
+    # the gate built from a real calibration runs and still reproduces R
+    runner.costs = {"C_QB": c}
+    from statelab.speculative.transaction import qualify
+
+    res = qualify([runner.run("R", he("HumanEval/155")), runner.run("C_QB", he("HumanEval/155"))])
+    assert res[1].qualified
+
+
+def test_adaptive_k_reaches_seven_with_fixed_rows():
+    from statelab.speculative.transaction import AdaptiveK, SpecConfig
+
+    k = AdaptiveK(3, 7)
+    for p in (3, 4, 5, 6, 7, 7):
+        assert k.k == p
+        k.update(p, p)
+    assert k.k == 7
+    k.update(7, 2)
+    assert k.k == 3
+    cfg = SpecConfig(k=3, k_max=7, fixed_rows=True)
+    assert cfg.rows == 8 and cfg.target_ubatch == 8 and cfg.queries == 8

@@ -1,0 +1,149 @@
+"""Independent evidence in the findings tables: folding byte-identical arms, active and
+degenerate panels, the top-1 condition before the frontier (synthetic records and a real
+panel's full logits), and the committed tables regenerated from the committed records alone."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from statelab.analysis import findings as F
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(arm_hashes: dict, directions: list[str]):
+    """A RunData stand-in: one task whose arms have the given (kv, logits) hashes."""
+    arms = {a: {"kv": kv, "logits": lg} for a, (kv, lg) in arm_hashes.items()}
+    return SimpleNamespace(arms=list(arm_hashes), controls={"T": {"arms": arms}}, name="r",
+                           spec={"normalized": {"directions": directions}})
+
+
+def test_identical_arms_fold_and_their_directions_with_them():
+    run = _run({"A": ("a", "x"), "B": ("b", "y"), "C": ("b", "y")}, ["A->B", "B->A", "A->C", "C->A"])
+    assert F.arm_folds(run) == {"T": {"A": "A", "B": "B", "C": "B"}}
+    assert F.direction_folds(run) == {"T": {"A->B": "A->B", "B->A": "B->A", "A->C": "A->B", "C->A": "B->A"}}
+    # equal states but different initial logits: not the same cross, nothing folds
+    run = _run({"A": ("a", "x"), "B": ("b", "y"), "C": ("b", "z")}, ["A->B", "A->C", "B->C"])
+    assert F.direction_folds(run)["T"] == {"A->B": "A->B", "A->C": "A->C", "B->C": "B->C"}
+    # a direction between two arms that fold into one is a cross of a state into itself
+    run = _run({"A": ("a", "x"), "B": ("a", "x")}, ["A->B"])
+    assert F.direction_folds(run)["T"] == {"A->B": None}
+
+
+def test_panel_classes_and_margin_accounting():
+    active = {"scores": [0.5, 0.25, -0.125, 1.0]}
+    degenerate = {"scores": [0.5, 0.5, -0.125, -0.125]}
+    assert F.panel_class(active) == "active" and F.panel_class(degenerate) == "degenerate"
+    # output 0 holds (eps 0), output 1 fails in one arm (BOTH: margin 0.4, not > 2 * 0.2), output 2 holds
+    rec = {"steps": {"before": 3, "positions": [0, 1, 2], "eps_inf": [0.0, 0.2, 0.1],
+                     "margin": [[1.0, 1.0, 0.3], [1.0, 1.0, 0.9], [1.0, 2.0, 0.5], [1.0, 0.4, 0.21]]}}
+    full = {"steps": {"before": 1, "positions": [0], "eps_inf": [0.0], "margin": [[1.0], [1.0], [1.0], [1.0]]}}
+    m = F.margin_summary([rec, full, {"scores": [0, 0, 0, 0]}])
+    assert (m["panels"], m["panels_with_steps"], m["panels_all_steps_recorded"], m["panels_with_a_step"]) == (3, 2, 2, 2)
+    assert (m["steps"], m["steps_holding"], m["panels_holding_everywhere"]) == (4, 3, 1)
+    assert (m["steps_from_1"], m["steps_from_1_holding"], m["panels_from_1"]) == (2, 1, 1)
+    assert m["panels_holding_everywhere_from_1"] == 0
+
+
+@pytest.mark.model
+def test_step_margins_are_those_of_the_full_logits(model, he, base_config):
+    """The panel record's per-output margins and eps_inf before t*, recomputed here from the
+    four arms' full FP32 logit traces."""
+    from statelab.analysis import frontier as FR
+    from statelab.experiments.findings_run import step_margins
+    from statelab.experiments.frontier_panels import run_panels
+    from statelab.lab.formation import PRESETS, form
+    from statelab.selection import Selector, Term
+
+    p = he("HumanEval/2")
+    donor, recip = form(model, p, PRESETS["A"], base_config), form(model, p, PRESETS["R"], base_config)
+    comps = (Selector("K5", (Term(component="K", layers=(5,)),)), Selector("V5", (Term(component="V", layers=(5,)),)))
+    pr = run_panels(model, donor, recip, {"P": comps}, 6)
+    traces = [FR.ArmTrace(arm, 0, pr.runs[rid].tokens, pr.runs[rid].trace, model.sha256, recip.prompt_sha256,
+                          trace_id=rid) for arm, rid in pr.arms["P"].items()]
+    ds = FR.analyse_panel("HumanEval/2", "R", "P", "A->R", traces, components=("K5", "V5"))
+    st = step_margins(ds)
+    t_star = int(ds["t_star"].values.ravel()[0])
+    assert st["before"] == (t_star if t_star >= 0 else 6) and st["positions"] == list(range(st["before"]))
+    logits = {arm: pr.runs[rid].trace for arm, rid in pr.arms["P"].items()}
+    x = np.stack([logits[a][: st["before"]].astype(np.float64) for a in ("EMPTY", "C1", "C2", "BOTH")])
+    top = np.sort(x, axis=-1)
+    assert np.array_equal(np.asarray(st["margin"]), top[..., -1] - top[..., -2])
+    eps = np.max(np.abs(x[:, None] - x[None, :]), axis=(0, 1, 3))
+    assert np.array_equal(np.asarray(st["eps_inf"]), eps)
+    assert st["eps_inf"][0] == 0.0  # output 0: every arm starts from the recipient's initial logits
+
+
+@pytest.mark.parametrize("kept", [pytest.param("cuda", marks=pytest.mark.slow), "cpu-paper-check"])
+def test_committed_tables_regenerate_from_the_committed_records(tmp_path, kept):
+    """docs/findings/KEPT: findings.md, findings.json and contrasts.md again, byte for byte,
+    from docs/findings/KEPT/run alone (no captures, no results.nc, no model)."""
+    import shutil
+
+    src = REPO / "docs" / "findings" / kept
+    shutil.copytree(src / "run", tmp_path / kept / "run")
+    F.write([tmp_path / kept / "run"], tmp_path / kept)
+    for name in ("findings.md", "findings.json", "contrasts.md"):
+        assert (tmp_path / kept / name).read_bytes() == (src / name).read_bytes(), name
+
+
+def test_paper_sweep_has_nineteen_distinct_schedules_and_refuses_short_prompts():
+    from statelab.errors import ConfigError
+    from statelab.lab.formation import paper_sweep
+
+    s = paper_sweep(160)
+    assert len(s) == 19 and len({x.name for x in s}) == 19
+    assert [x.name for x in s[:4]] == ["A", "B", "C", "R"] and "(n-1)+1" in {x.name for x in s}
+    subs = {x.name: tuple(x.submissions(160)) for x in s}
+    assert len(set(subs.values()) | {(x.n_ubatch,) for x in s}) > 1 and subs["129+rest"] == (129, 31) and subs["(n-1)+1"] == (159, 1)
+    with pytest.raises(ConfigError, match="more than 130 tokens"):
+        paper_sweep(130)
+
+
+def test_sweep_table_classes_and_denominators():
+    from statelab.experiments.partition import sweep_table
+
+    def res(prompt, states, ends, diffs):
+        rows = [{"schedule": n, "n_prompt": 140, "first_diff": d, "length": 32} for n, d in zip("ABCR", diffs)]
+        return {"prompt": prompt, "rows": rows, "state_classes": states, "endpoint_classes": ends}
+
+    r1 = res("p1", [["A", "B", "C"], ["R"]], [["A", "B", "C", "R"]], [None, None, None, None])
+    r2 = res("p2", [["A"], ["B", "C"], ["R"]], [["A", "R"], ["B", "C"]], [None, 7, 7, None])
+    md = sweep_table([r1, r2])
+    assert "| p1 | 140 | 2 | 1 | 0/0 (=) | 0/0 (=) | 0/0 (=) | 1/0 (=) |" in md
+    assert "| p2 | 140 | 3 | 2 | 0/0 (=) | 1/1 (7) | 1/1 (7) | 2/0 (=) |" in md
+    assert "more than one state class: 2 / 2" in md and "more than one endpoint class: 1 / 2" in md
+    assert "Of the 6 (prompt, schedule other than A) pairs: 2 form another state than A and keep its endpoint" in md
+
+
+def test_panel_repeats_are_their_own_targets_and_compared_not_counted():
+    from statelab.experiments.findings_run import FindingsError, run_findings, target_key
+
+    t = {"task": "T", "selector": "L3", "direction": "A->B"}
+    assert target_key(t) == "T|L3|A->B" and target_key(t, 1) == "T|L3|A->B|r1"
+    with pytest.raises(FindingsError, match="--repeats is for panels"):
+        run_findings("nowhere", "minimal", 10, repeats=2)
+    base = {"status": "ok", "task": "T", "direction": "A->B", "t_star": 3, "tokens": [1, 2, 2, 1],
+            "scores": [0.5, 0.25, 0.125, 1.0], "interaction": 0.125, "token_a": 1, "token_b": 2}
+    panels = [{**base, "selector": "L3", "repeat": 0}, {**base, "selector": "L3", "repeat": 1},
+              {**base, "selector": "L4", "repeat": 0}, {**base, "selector": "L4", "repeat": 1, "scores": [0.5] * 4}]
+    run = _run({"A": ("a", "x"), "B": ("b", "y")}, ["A->B"])
+    run.panels = panels
+    assert F.repeat_agreement([run]) == {"compared": 2, "agree": 1}
+    assert len(F.independent_records(run, panels)) == 2  # the second repeat is compared, not counted
+
+
+def test_skeleton_state_geometry_is_checked():
+    """A kept run folder has no captures: the skeleton's geometry comes from the recorded
+    total value bytes, and a total that does not fit is refused in one line."""
+    st = F.skeleton_state(160, 30, 3_686_400)  # SmolLM2: 30 layers, 192-wide F16 K and V rows
+    assert st.k[0].shape == (160, 192) and st.v[0].shape == (192, 160) and st.v_trans
+    from statelab.selection import Selector, Term, select
+
+    sel = select(Selector("L3K", (Term(component="K", layers=(3,)),)), st)
+    assert sel.selected_bytes == 160 * 192 * 2 and sel.total_bytes == 3_686_400
+    with pytest.raises(F.FindingsInputError, match="do not fit"):
+        F.skeleton_state(160, 30, 3_686_401)
