@@ -257,6 +257,7 @@ def test_file_prompts_keep_their_rows_and_same_base_names_stay_apart(tmp_path):
         CampaignSpec(prompts=[f"file:{pa}", f"file:{tmp_path}/a/../a/p.txt"], arms=["R"]).validate()
 
 
+@pytest.mark.model  # loading a campaign spec tokenizes its prompts with the model (n_ctx fit)
 def test_campaign_spec_accepts_ngram_and_refuses_a_bad_one(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text('prompts = ["HumanEval/3"]\narms = ["R", "C_QB"]\ndraft = "ngram:2-5"\nk = 3\nk_max = 7\n')
