@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from statelab.kvstate import GGML_F16, KVFormatError, KVState, make_iswa_state, make_state
+from statelab.kvstate import KVFormatError, KVState, make_iswa_state, make_state
 
 CAP = 8
 PROMPT = "def add(a, b):\n    return"
