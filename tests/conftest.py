@@ -137,6 +137,19 @@ def one_line_error(r, *needles):
     return lines[0]
 
 
+
+def statelab_error(r, *needles):
+    """A command refused in process (typer's CliRunner): a StatelabError, which statelab.cli.main
+    prints as one line with exit 2, holding every needle."""
+    from statelab.errors import StatelabError
+
+    assert isinstance(r.exception, StatelabError), (r.exception, r.output)
+    msg = str(r.exception)
+    assert "\n" not in msg.strip(), msg
+    for n in needles:
+        assert n in msg, msg
+    return msg
+
 # ------------------------------------------------------------------ markers from what a test uses
 
 _current: list = []  # the test item running now

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from conftest import statelab_error as _one_line
+
 CAP = 8
 PROMPT = "def add(a, b):\n    return"
 
@@ -21,17 +23,6 @@ def _cli(*args):
     from statelab.cli import app
 
     return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def _one_line(r, *needles):
-    from statelab.errors import StatelabError
-
-    assert isinstance(r.exception, StatelabError), (r.exception, r.output)
-    msg = str(r.exception)
-    assert "\n" not in msg.strip(), msg
-    for n in needles:
-        assert n in msg, msg
-    return msg
 
 
 @pytest.fixture(scope="module")

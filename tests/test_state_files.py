@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from conftest import statelab_error as _one_line
 from statelab.kvstate import KVFormatError, KVState, make_iswa_state, make_state
 
 CAP = 8
@@ -189,17 +190,6 @@ def _cli(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def _one_line(r, *needles):
-    """A refused command: a StatelabError (which statelab.cli.main prints as one line, exit 2)
-    holding every needle, nothing printed before it."""
-    from statelab.errors import StatelabError
-
-    assert isinstance(r.exception, StatelabError), (r.exception, r.output)
-    msg = str(r.exception)
-    assert "\n" not in msg.strip(), msg
-    for n in needles:
-        assert n in msg, msg
-    return msg
 
 
 @pytest.mark.model

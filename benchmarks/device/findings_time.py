@@ -11,23 +11,11 @@ minimal searches and the tables (benchmarks/device/findings_cuda.sh passes them)
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import statistics
 import sys
 from pathlib import Path
 
-
-def records(path: Path) -> list[dict]:
-    """The JSON lines of ``path`` or of ``path.gz``; none if neither exists."""
-    gz = path.with_name(path.name + ".gz")
-    if path.is_file():
-        text = path.read_text()
-    elif gz.is_file():
-        text = gzip.decompress(gz.read_bytes()).decode()
-    else:
-        return []
-    return [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+from statelab.analysis.findings import jsonl as records  # plain or gzipped JSON lines
 
 
 def main(argv=None) -> int:
