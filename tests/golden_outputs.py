@@ -157,6 +157,8 @@ def _campaign_md(s: str, paths) -> list[str]:
         cells = line.split("|")
         if line.startswith("|") and len(cells) > 3 and "[" in line and "]" in line:  # a ratio with its interval
             line = f"|{cells[1]}| <measured> |{cells[-2]}|"
+        elif ": lowest prompt " in line:  # which prompt is lowest and how many fall below 1 are measured
+            line = line.split(": lowest prompt ")[0] + ": lowest prompt <measured>"
         keep.append(re.sub(r"\d+\.\d+", "<x>", line))
     return keep
 
