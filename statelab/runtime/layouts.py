@@ -217,24 +217,24 @@ def _name(code: int) -> str:
     return NAMES.get(code, {-1: "none", -2: "mixed"}.get(code, f"?{code}"))
 
 
-def weight_repair_available() -> bool:
-    """True when the loaded libllama carries the row-invariant weight-product patch (0003)."""
+def _patch_at(version_fn: str, want: int) -> bool:
+    """The layout patch is loaded and a later patch's version function answers ``want``."""
     if not available():
         return False
     try:
-        return int(_fn("llama_statelab_weight_repair_version")()) == WEIGHT_REPAIR_VERSION
+        return int(_fn(version_fn)()) == want
     except StatelabError:
         return False
+
+
+def weight_repair_available() -> bool:
+    """True when the loaded libllama carries the row-invariant weight-product patch (0003)."""
+    return _patch_at("llama_statelab_weight_repair_version", WEIGHT_REPAIR_VERSION)
 
 
 def row_invariant_kernels_available() -> bool:
     """True when the loaded libllama carries the row-invariance hint (patch 0005)."""
-    if not available():
-        return False
-    try:
-        return int(_fn("llama_statelab_row_invariant_kernels_version")()) == ROW_INVARIANT_KERNELS_VERSION
-    except StatelabError:
-        return False
+    return _patch_at("llama_statelab_row_invariant_kernels_version", ROW_INVARIANT_KERNELS_VERSION)
 
 
 def get_row_invariant_kernels(ctx) -> bool:
