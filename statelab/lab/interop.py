@@ -39,7 +39,7 @@ import numpy as np
 from statelab.errors import IdentityError, StatelabError
 from statelab.kvstate import KVFormatError, KVState, SEQ_STATE_MAGIC, is_quantised, type_name, v_layout
 from statelab.lab.formation import Capture, REST, Schedule, context_config_for
-from statelab.models import read_model_info
+from statelab.models import file_sha256, read_model_info
 from statelab.paths import atomic_write_bytes, output_lock
 from statelab.runtime import Context, context_identity
 from statelab.runtime.context import KV_TYPES
@@ -227,11 +227,7 @@ def read_state_file(path: str | os.PathLike, model=None) -> StateFile:
     with open(p, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         sf = _parse_stream(_Cursor(f=f, size=size), str(p), model, digest="")
-        f.seek(0)
-        h = hashlib.sha256()
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return replace(sf, sha256=h.hexdigest())
+    return replace(sf, sha256=file_sha256(p))
 
 
 def whole_stream(blob: bytes, arch: str) -> bytes:
