@@ -62,3 +62,14 @@ def test_audit_hinted_column_equals_native_on_cpu():
     assert done.any()
     np.testing.assert_array_equal(ds.hinted_equal.values[done], ds.native_equal.values[done])
     np.testing.assert_array_equal(ds.hinted_max_abs.values[done], ds.native_max_abs.values[done])
+
+
+def test_the_qb_columns_version_follows_the_patch_series():
+    """Patch 0006 raises the hint's version to 2 (QB's attention products marked for one launch);
+    the runtime reports it exactly when the build carries 0006, and the hint's own check still
+    accepts the later version."""
+    from statelab.runtime.native import build_identity
+
+    series = build_identity().get("patches", [])
+    assert layouts.qb_columns_available() == any(p.startswith("0006-") for p in series)
+    assert layouts.row_invariant_kernels_available()

@@ -11,7 +11,8 @@
 #   wait               wait for the build, doctor
 #   drafter [SPEC]     benchmarks/speculative.py on SPEC (default studies/spec-cuda-ngram.toml) with the
 #                      verify-cost sweep; results in $OUT/drafter.tgz. With BUDGET=S it starts no new
-#                      block after S seconds and the next call resumes it (the campaign lives in $W)
+#                      block after S seconds and the next call resumes it (the campaign lives in $W/campaign$TAG);
+#                      SESSIONS=N and K_MAX=K override the spec's
 #   weights            audit matmul (both models), qualification of the +W arms on Gemma 3 and SmolLM2,
 #                      the locator on Gemma 3; results in $OUT/weights.tgz
 #   findings-start     the findings study on CUDA (benchmarks/device/findings_cuda.sh, its environment
@@ -26,6 +27,9 @@
 #                      models), the locator ub1 against ub8:QB and ub8:MQ (both models), the n-gram campaign at
 #                      k 7 (8-row verifies) on SmolLM2 and Gemma 3 with the verify-cost sweep by rows (1..8) in QB,
 #                      and the same sweep in MQ (arm C0); results in $OUT/exact.tgz
+#   qbcols             patch 0006 (QB attention products in one launch): benchmarks/qb_columns.py on both models
+#                      (QB / QB one product per query / MQ by rows), audit e1 and the locator ub1 against
+#                      ub4:QB, ub8:QB, ub8:MQ on both models; results in $OUT/qbcols.tgz
 #   wheel-out          the CUDA wheel built here, in parts of 15 MiB under $OUT (a later session carries them
 #                      back as .dev/cudawhl/ instead of building again: see `wheel-in`)
 #   wheel-in           install the wheel carried back in .dev/cudawhl/ (parts joined, sha256 checked)
@@ -39,9 +43,10 @@ case "${1:-}" in
   wait) dev_wait && sl doctor --backend cuda | tail -25 ;;
   drafter)
     R=$OUT/drafter; mkdir -p "$R"
-    python3 benchmarks/speculative.py "${2:-studies/spec-cuda-ngram.toml}" --rows --no-write --out "$W/campaign" ${BUDGET:+--budget $BUDGET} \
+    python3 benchmarks/speculative.py "${2:-studies/spec-cuda-ngram.toml}" --rows --no-write --out "$W/campaign${TAG:-}" \
+      ${BUDGET:+--budget $BUDGET} ${SESSIONS:+--sessions $SESSIONS} ${K_MAX:+--k-max $K_MAX} \
       2>&1 | tee "$R/speculative.txt" | tail -60
-    cp -r $W/campaign "$R/"; tar -czf "$OUT/drafter.tgz" -C "$OUT" drafter
+    cp -r "$W/campaign${TAG:-}" "$R/"; tar -czf "$OUT/drafter.tgz" -C "$OUT" drafter
     ;;
   weights)
     R=$OUT/weights; mkdir -p "$R"
@@ -93,6 +98,22 @@ case "${1:-}" in
     done
     tar -czf "$OUT/exact.tgz" -C "$OUT" exact
     ;;
+  qbcols)
+    R=$OUT/qbcols; mkdir -p "$R"
+    python3 benchmarks/qb_columns.py studies/spec-cuda-panel.toml --no-write 2>&1 | tee "$R/rows_smollm2.txt" | tail -12
+    python3 benchmarks/qb_columns.py studies/spec-cuda-ngram.toml --model $W/gemma.gguf --k-max 7 --no-write 2>&1 \
+      | tee "$R/rows_gemma3.txt" | tail -12
+    for m in smollm2:$W/model.gguf gemma3:$W/gemma.gguf; do
+      sl audit e1 --backend cuda --model "${m#*:}" --out "$R/e1_${m%%:*}" > "$R/e1_${m%%:*}.txt" 2>&1
+      tail -4 "$R/e1_${m%%:*}.txt"
+      for b in ub4:QB ub8:QB ub8:MQ; do
+        echo "== ${m%%:*} ub1 vs $b" >> "$R/locate.txt"
+        sl locate -H 2 --model "${m#*:}" --backend cuda -a ub1 -b "$b" --out "$R/locate_${m%%:*}_${b/:/_}" 2>&1 | tail -6 >> "$R/locate.txt"
+      done
+    done
+    tail -n 40 "$R/locate.txt"
+    tar -czf "$OUT/qbcols.tgz" -C "$OUT" qbcols
+    ;;
   wheel-out)
     whl=$(tail -1 $W/build.log); ls -la "$whl"; sha256sum "$whl" | tee "$OUT/cudawhl.sha256"
     split -b 15M -d -a 1 "$whl" "$OUT/cudawhl.part"; echo "$(basename "$whl")" > "$OUT/cudawhl.name"; ls -la "$OUT"
@@ -104,5 +125,5 @@ case "${1:-}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site --upgrade "$W/$n" && echo "$W/$n" >> $W/build.log
     echo 0 > $W/build.rc
     ;;
-  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|drafter [SPEC]|weights [audit|qualify|locate|campaign]|findings-start|findings-wait S|import-bench|exact|wheel-out|wheel-in" >&2; exit 2 ;;
+  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|drafter [SPEC]|weights [audit|qualify|locate|campaign]|findings-start|findings-wait S|import-bench|exact|qbcols|wheel-out|wheel-in" >&2; exit 2 ;;
 esac

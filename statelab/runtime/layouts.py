@@ -45,7 +45,8 @@ ABI_VERSION = 1
 LAYOUTS = {"MQ": 0, "PQ": 1, "QB": 2}
 NAMES = {v: k for k, v in LAYOUTS.items()}
 WEIGHT_REPAIR_VERSION = 1  # LLAMA_STATELAB_WEIGHT_REPAIR_VERSION
-ROW_INVARIANT_KERNELS_VERSION = 1  # LLAMA_STATELAB_ROW_INVARIANT_KERNELS_VERSION
+ROW_INVARIANT_KERNELS_VERSION = 1  # LLAMA_STATELAB_ROW_INVARIANT_KERNELS_VERSION (the hint, patch 0005)
+QB_COLUMNS_VERSION = 2  # the same version function: the QB attention products as one launch (patch 0006)
 REPAIR_SUFFIX = "+W"
 # every layout family: attention layout, weight products row by row
 FAMILIES = {**{k: (k, False) for k in LAYOUTS}, **{k + REPAIR_SUFFIX: (k, True) for k in LAYOUTS}}
@@ -218,11 +219,12 @@ def _name(code: int) -> str:
 
 
 def _patch_at(version_fn: str, want: int) -> bool:
-    """The layout patch is loaded and a later patch's version function answers ``want``."""
+    """The layout patch is loaded and a later patch's version function answers ``want`` or more
+    (a later version of a patch keeps the functions of the earlier ones)."""
     if not available():
         return False
     try:
-        return int(_fn(version_fn)()) == want
+        return int(_fn(version_fn)()) >= want
     except StatelabError:
         return False
 
@@ -235,6 +237,12 @@ def weight_repair_available() -> bool:
 def row_invariant_kernels_available() -> bool:
     """True when the loaded libllama carries the row-invariance hint (patch 0005)."""
     return _patch_at("llama_statelab_row_invariant_kernels_version", ROW_INVARIANT_KERNELS_VERSION)
+
+
+def qb_columns_available() -> bool:
+    """True when the hint also marks QB's attention products, which ggml-cuda then serves as the columns
+    of one matrix-vector launch, each query reduced as its own 1-row product (patch 0006)."""
+    return _patch_at("llama_statelab_row_invariant_kernels_version", QB_COLUMNS_VERSION)
 
 
 def get_row_invariant_kernels(ctx) -> bool:
