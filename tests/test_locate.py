@@ -126,3 +126,20 @@ def test_query_to_batch_layout_reproduces_the_serial_reference(model, base_confi
     assert not pq.diverged
     mq_qb = locate(model, tokens, "ub4", "ub4:QB", base_config, layers="0")
     assert mq_qb.first["node"] == "kq-0"
+
+
+def test_eight_row_ubatches_build_the_layout_they_name(model, base_config, tokens):
+    """ub8:QB is QB (the capture admits as many queries as the ubatch holds; the library's default
+    is 4, above which the graph used to fall back to MQ silently): on the CPU it equals ubatch 1,
+    unlike ub8 in MQ; a layout that cannot be built (ub32: more queries than the limit of 16) is a
+    one-line refusal, not another graph compared under its name."""
+    from statelab.errors import StatelabError
+    from statelab.runtime import layouts
+
+    if not layouts.available():
+        pytest.skip("the layout patch (native/patches/0002) is not in this build: no QB/PQ graphs")
+    qb = locate(model, tokens, "ub1", "ub8:QB", base_config, layers="0")
+    assert not qb.diverged
+    assert locate(model, tokens, "ub1", "ub8", base_config, layers="0").diverged
+    with pytest.raises(StatelabError, match="ub32:QB: layout QB was not built"):
+        locate(model, tokens, "ub1", "ub32:QB", base_config, layers="0")

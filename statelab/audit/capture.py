@@ -226,6 +226,8 @@ def run_graph(model, tokens, geometry: Geometry, base_config=None, *, want=None,
             cap.want = saved
             cap.check()
         if layouts.available():  # the prefix is always the native graph; the layout applies from here
+            # PQ/QB are admitted up to max queries (the library's default 4): a geometry's ubatch is its query count
+            layouts.set_max_queries(ctx, min(layouts.MAX_QUERIES_LIMIT, max(4, sched.n_ubatch)))
             layouts.set_layout(ctx, geometry.layout)
         base_call = ctx.n_decode_calls
         off = len(pre)
@@ -236,6 +238,9 @@ def run_graph(model, tokens, geometry: Geometry, base_config=None, *, want=None,
             ctx.decode(toks[c["pos0"]:c["pos0"] + c["size"]], off + c["pos0"], logits=c["flags"])
             cap.check()
             adm = layouts.last_admission(ctx) if layouts.available() else None
+            if adm is not None and not adm.admitted:  # another graph than the geometry names: refuse, never compare it
+                raise ConfigError(f"geometry {geometry.name}: layout {adm.requested} was not built ({adm.reason}); "
+                                  f"the graph was {adm.built}")
             admissions.append(adm)
             n_graphs = cap.graphs_per_call.get(call, 0)
             if capture and n_graphs != len(c["ubatches"]):
