@@ -107,7 +107,8 @@ def audit_e1(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
     md = f"Prompt: {p.id} ({len(toks)} tokens)\n\n" + e1_markdown(ds)
     rds = None
     if replay:
-        rds = replay_e1(detail, threads=threads or None)
+        # the replay runs where the capture ran (the CPU's kernels do not reproduce a GPU capture)
+        rds = replay_e1(detail, device=None if m.backend == "cpu" else m.backend, threads=threads or None)
         md += "\n" + replay_markdown(rds)
     print_text(md)
     if out is not None:
