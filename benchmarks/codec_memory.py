@@ -39,7 +39,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -64,6 +63,7 @@ import json, os, resource, sys, time, tracemalloc
 from pathlib import Path
 import numpy as np
 import statelab.runtime  # llama-cpp-python: held before the baseline, as in every command
+from statelab.api import comparable_states, difference_summary
 from statelab.kvstate import KVState, compare
 from statelab.lab.archive import load_capture, read_manifest, save_capture
 from statelab.lab.formation import Capture, Schedule
@@ -72,6 +72,12 @@ from statelab.lab.intervene import account
 from statelab.selection import apply_subset, load_selector, select
 D = Path(sys.argv[1])
 A, B = D / "A", D / "B"
+
+def load(path):  # as the commands that only read a capture load it (diff, cross, export-state)
+    try:
+        return load_capture(path, mapped=True)
+    except TypeError:  # a tree without mapped loading
+        return load_capture(path)
 
 def status(key):
     for line in open("/proc/self/status"):
@@ -109,19 +115,24 @@ assert out, "the round trip changed bytes"
 """,
     "subset cross": """
 sel_def = load_selector(D / "SEL.toml")
-r, d = load_capture(A), load_capture(B)
+r, d = load(A), load(B)
 sel = select(sel_def, r.state)
-mixed = apply_subset(r.state, d.state, sel)
-blob = mixed.to_bytes()
+try:  # as lab.intervene.subset_cross makes the payload
+    from statelab.selection import subset_payload
+    blob, mixed = subset_payload(r.state, d.state, sel)
+except ImportError:
+    mixed = apply_subset(r.state, d.state, sel)
+    blob = mixed.to_bytes()
 acc = account(r.state, mixed, int(sel.selected_bytes), True)
 out = [int(sel.selected_bytes), acc.changed_bytes, len(blob)]
 """,
     "diff": """
-a, b = load_capture(A), load_capture(B)
-out = compare(a.state, b.state).first_differing_layer
+a, b = load(A), load(B)
+sa, sb = comparable_states(a, b)
+out = [compare(sa, sb).first_differing_layer, difference_summary(a, b, (sa, sb))["first_layer"]]
 """,
     "export": """
-c = load_capture(A)
+c = load(A)
 export_state_file(c, D / "s.bin")
 out = (D / "s.bin").stat().st_size
 """,
@@ -192,7 +203,8 @@ def make_captures(d: Path, shape_name: str, n_cells: int, seed: int) -> int:
 def run_op(d: Path, op: str, pythonpath: str) -> dict:
     code = PRE + f"CODE = {OP_CODE[op]!r}\n" + MEASURE
     env = {**os.environ, "PYTHONPATH": pythonpath}
-    r = subprocess.run([sys.executable, "-c", code, str(d), op], capture_output=True, text=True, env=env)
+    r = subprocess.run([sys.executable, "-c", code, str(d), op], capture_output=True, text=True, env=env,
+                       cwd=pythonpath)  # `python -c` puts the working folder first on sys.path
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if r.returncode != 0 or not line:
         tail = (r.stderr.strip().splitlines() or ["?"])[-1]
