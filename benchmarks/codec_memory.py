@@ -20,15 +20,18 @@ command line calls:
 - parse: ``load_capture`` (seal, every file hash, the KV payload's and per-layer hashes, parse)
 - round trip: a parsed capture's state serialised to a file and compared with ``kv.bin`` byte
   for byte
-- subset cross: recipient A and donor B loaded, a selector over 8 of 32 layers and 2 of 8 KV
-  heads (K and V) compiled, the payload the recipient context would import made, the byte
-  account (what ``lab.intervene.subset_cross`` does before and after the import)
-- diff: two captures loaded and compared (``statelab diff``)
-- export: a capture as a ``llama_state_seq_save_file`` file (``statelab export-state``)
+- subset cross: recipient A and donor B loaded as read-only maps, a selector over 8 of 32 layers
+  and 2 of 8 KV heads (K and V) compiled, the payload the recipient context would import made,
+  the byte account (what ``lab.intervene.subset_cross`` does before and after the import; the
+  study runners still load their captures as bytes, which adds each capture's size once)
+- diff: two captures loaded as read-only maps and compared (``statelab diff``)
+- export: a capture loaded as a read-only map and written as a ``llama_state_seq_save_file``
+  file (``statelab export-state``)
 - import: that file read back and turned into a capture folder (``statelab import-state`` without
   the model checks and the restore into a context); the result must equal A byte for byte
 
-Goal: every peak <= 1.5x the state's size.
+Goal: every peak <= 1.5x the state's size. ``--code DIR`` runs the operations on another
+checkout of statelab (the figures before a change).
 """
 from __future__ import annotations
 

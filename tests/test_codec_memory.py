@@ -269,3 +269,19 @@ def test_codec_peak_memory_is_at_most_1_5x_the_state(tmp_path):
     assert (tmp_path / "imported" / "kv.bin").read_bytes() == (tmp_path / "A" / "kv.bin").read_bytes()
     over = {k: v[0] / size for k, v in peaks.items() if v[0] > 1.5 * size + (8 << 20)}
     assert not over, over
+
+
+def test_subset_payload_of_an_iswa_state():
+    """Two caches in one stream (full + sliding window): the payload is the one apply_subset gives."""
+    from statelab.kvstate import make_iswa_state
+
+    r = make_iswa_state(12, 6, (1, 3, 5), 4, 8, seed=1)
+    d = make_iswa_state(12, 6, (1, 3, 5), 4, 8, seed=7)
+    rng = np.random.default_rng(3)
+    masks = [rng.random(a.shape) < 0.5 if i % 3 else np.zeros(a.shape, bool) for i, a in enumerate(r.k + r.v)]
+    n = r.n_layer
+    sel = Selection(masks[:n], masks[n:], tuple(a.dtype.itemsize for a in r.k), tuple(a.dtype.itemsize for a in r.v),
+                    r.v_trans, "random")
+    buf, mixed = subset_payload(r, d, sel)
+    assert bytes(buf) == apply_subset(r, d, sel).to_bytes() == mixed.to_bytes()
+    assert [p.n_cells for p in mixed.part_list] == [12, 4]
