@@ -20,6 +20,7 @@ from statelab import prompts
 from statelab.errors import ConfigError, IdentityError
 from statelab.kvstate import GGML_BF16, KVState, check_same_geometry, compare, values_f64
 from statelab.lab.archive import check_importable, load_capture, save_capture
+from statelab.mapping import release
 from statelab.lab.formation import Capture, form, parse_schedule
 from statelab.lab.intervene import config_of, cross as whole_cross, import_and_continue, subset_cross
 from statelab.lab.receiver import DEFAULT_CAP, Endpoint, check_cap
@@ -214,6 +215,8 @@ def first_differing_cells(a: KVState, b: KVState) -> tuple[np.ndarray, np.ndarra
             rows = np.any(bits != other, axis=0 if trans else 1)
             if rows.any():
                 out[il] = int(np.argmax(rows))
+            release(x)  # states mapped from their files: only the layer at hand stays resident
+            release(y)
         return out
 
     return first(a.k, b.k, False), first(a.v, b.v, a.v_trans)

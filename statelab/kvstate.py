@@ -63,11 +63,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from statelab.errors import StatelabError
+from statelab.mapping import is_mapped, release
 
 __all__ = [
     "GGML_BF16",
@@ -270,6 +272,8 @@ class _Reader:
         self.meta_views: list[np.ndarray] = []  # copy=False: each part's (n, 3) cell table, a view of buf
         self.n = len(buf)
         self.off = 0
+        # a mapped blob: each field read maps a whole folio (2 MiB) of the file, given back at once
+        self.mapped = is_mapped(buf)
 
     def need(self, nbytes: int, what: str) -> int:
         if nbytes > self.n - self.off:
@@ -284,7 +288,10 @@ class _Reader:
     def scalar(self, fmt: str, what: str) -> int:
         size = struct.calcsize(fmt)
         start = self.need(size, what)
-        return struct.unpack_from(fmt, self.buf, start)[0]
+        value = struct.unpack_from(fmt, self.buf, start)[0]
+        if self.mapped:
+            release(self.buf[start:start + size])
+        return value
 
     def array(self, dtype: np.dtype, shape: tuple[int, ...], what: str) -> np.ndarray:
         count = int(np.prod(shape, dtype=np.int64))
@@ -549,13 +556,28 @@ class KVState:
             # A blob written by a model whose cells carry extension records (M-RoPE / PLE)
             # has 12 more bytes per cell: recognise it only to refuse it with a clear message.
             try:
-                _parse(buf, _CELL_EXT_SIZE, layout)
+                _parse(buf, _CELL_EXT_SIZE, layout, copy=False)
             except KVFormatError:
                 raise err from None
             raise KVFormatError(
                 "the cells of this blob carry extension records (x, y, tok: an M-RoPE or PLE model); "
                 "such states are not supported"
             ) from None
+
+    @classmethod
+    def view(cls, blob: bytes | bytearray | memoryview, layout: MemoryLayout | None = None) -> "KVState":
+        """:meth:`parse` without a copy: the value arrays are read-only views of ``blob``, so a
+        state of any size costs no memory beyond its blob (an edit goes through a copy,
+        :func:`statelab.selection.apply_subset` copies only the layers it changes)."""
+        st = cls.parse(blob, layout, copy=False).freeze()
+        release(blob)  # a mapped blob: the pages the fields' reads mapped (the kernel maps whole folios)
+        return st
+
+    def freeze(self) -> "KVState":
+        """Make every value array read-only (in place); returns the state."""
+        for a in self.k + self.v:
+            a.flags.writeable = False
+        return self
 
     def with_layout(self, layout: MemoryLayout) -> "KVState":
         """The same state with the model's layer map and windows attached (checked)."""
@@ -810,12 +832,52 @@ class KVState:
         return out
 
     @staticmethod
-    def _array_bytes(a: np.ndarray) -> bytes:
-        return np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()
+    def _array_bytes(a: np.ndarray) -> memoryview:
+        """The stored bytes of ``a`` in blob order: a view of the array itself when it is
+        C-contiguous little-endian (the parsed and synthetic arrays always are), no copy."""
+        le = a.dtype.newbyteorder("<")
+        if a.dtype != le or not a.flags.c_contiguous:
+            a = np.ascontiguousarray(a, dtype=le)  # only an array built by hand in another order
+        return memoryview(a.reshape(-1).view(np.uint8))
+
+    def pieces(self) -> Iterator[tuple[str, bytes | memoryview]]:
+        """The blob as consecutive byte pieces ``(name, bytes)``: ``"meta"`` fields and the value
+        block of each component (``"L0.K"``, ...) as a view of its array (no copy). Every
+        serialiser (:meth:`to_bytes`, :meth:`write_to`, the hashes) streams these."""
+        for name, p in self._parts():
+            yield name, p if isinstance(p, bytes) else self._array_bytes(p)
 
     def to_bytes(self) -> bytes:
-        """Serialise exactly as llama.cpp would: ``to_bytes(parse(blob)) == blob``."""
-        return b"".join(p if isinstance(p, bytes) else self._array_bytes(p) for _, p in self._parts())
+        """Serialise exactly as llama.cpp would: ``to_bytes(parse(blob)) == blob``. The only
+        allocation of the state's size is the result."""
+        return b"".join([p for _, p in self.pieces()])
+
+    def to_buffer(self) -> bytearray:
+        """:meth:`to_bytes` as a bytearray filled piece by piece: the pieces of a state mapped
+        from a file (:mod:`statelab.mapping`) are given back as they are copied, so the result
+        is the only copy of the state held (``runtime.Context.state_set`` takes it as it is)."""
+        out = bytearray(self.nbytes)
+        mv, off = memoryview(out), 0
+        for _, p in self.pieces():
+            mv[off:off + len(p)] = p
+            off += len(p)
+            release(p)
+        return out
+
+    def write_to(self, f) -> int:
+        """Write the blob to the binary file ``f`` piece by piece (no copy of the state in
+        memory; mapped pieces are given back once written); returns the bytes written."""
+        n = 0
+        for _, p in self.pieces():
+            f.write(p)
+            n += len(p)
+            release(p)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Length of :meth:`to_bytes`."""
+        return sum(len(p) for _, p in self.pieces())
 
     def component_offsets(self) -> dict[str, tuple[int, int]]:
         """``{"L0.K": (offset, nbytes), ...}``: where each value block lies in :meth:`to_bytes`."""
@@ -828,7 +890,12 @@ class KVState:
         return out
 
     def sha256(self) -> str:
-        return hashlib.sha256(self.to_bytes()).hexdigest()
+        """sha256 of :meth:`to_bytes`, streamed over the pieces (no copy of the state)."""
+        h = hashlib.sha256()
+        for _, p in self.pieces():
+            h.update(p)
+            release(p)
+        return h.hexdigest()
 
     def component_hashes(self) -> dict[str, str]:
         """SHA-256 of each value block in blob order (``"L0.K"``, ..., ``"L0.V"``, ...) and of
@@ -836,16 +903,18 @@ class KVState:
         concatenated in blob order."""
         meta = hashlib.sha256()
         out: dict[str, str] = {}
-        for name, p in self._parts():
+        for name, p in self.pieces():
             if name == "meta":
                 meta.update(p)
             else:
-                out[name] = hashlib.sha256(self._array_bytes(p)).hexdigest()
+                out[name] = hashlib.sha256(p).hexdigest()
+                release(p)
         out["meta"] = meta.hexdigest()
         return out
 
-    def copy(self) -> "KVState":
-        """A deep, writable copy."""
+    def copy(self, values: bool = True) -> "KVState":
+        """A deep, writable copy; ``values=False``: the cells are copied, the value arrays are
+        read-only views of this state's (nothing of the state's size is allocated)."""
         parts = [p.copy() for p in self.parts]
         if parts:
             positions, seq_ids = parts[0].positions, parts[0].seq_ids
@@ -856,14 +925,20 @@ class KVState:
             positions=positions,
             seq_ids=seq_ids,
             v_trans=bool(self.v_trans),
-            k=[np.array(a, copy=True) for a in self.k],
-            v=[np.array(a, copy=True) for a in self.v],
+            k=[np.array(a, copy=True) if values else _readonly(a) for a in self.k],
+            v=[np.array(a, copy=True) if values else _readonly(a) for a in self.v],
             k_types=[int(t) for t in self.k_types],
             v_types=[int(t) for t in self.v_types],
             seq_id=int(self.seq_id),
             n_stream=int(self.n_stream),
             parts=parts,
         )
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 # --------------------------------------------------------------------------- builders
@@ -1017,6 +1092,13 @@ class ComponentDiff:
         }
 
 
+def _same_memory(x: np.ndarray, y: np.ndarray) -> bool:
+    """True when ``x`` and ``y`` are the same bytes (one array, or views of it alike)."""
+    ix, iy = x.__array_interface__, y.__array_interface__
+    return x is y or (ix["data"][0] == iy["data"][0] and x.shape == y.shape and x.strides == y.strides
+                      and x.dtype == y.dtype)
+
+
 def _rel(num: float, den: float) -> float:
     if den > 0:
         return num / den
@@ -1076,31 +1158,45 @@ def compare(a: KVState, b: KVState, reference: KVState | None = None) -> StateDi
     kinds = a.layer_kinds
     for comp, xs, ys, rs, types in (("K", a.k, b.k, ref.k, a.k_types), ("V", a.v, b.v, ref.v, a.v_types)):
         for il, (x, y, r, t) in enumerate(zip(xs, ys, rs, types)):
-            uview = _UINT_VIEW[int(t)]
-            xb = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("<")).view(uview)
-            yb = np.ascontiguousarray(y, dtype=y.dtype.newbyteorder("<")).view(uview)
-            changed_bytes = int(np.count_nonzero(xb.view(np.uint8) != yb.view(np.uint8)))
             quant = is_quantised(t)
-            if quant:  # a value changes when its quant or its block scale does
-                xv, yv = values_f64(x, t), values_f64(y, t)
-                diff_bits = (xv != yv) | (np.isnan(xv) != np.isnan(yv))
-                n_values = int(xv.size)
-            else:
-                diff_bits = xb != yb
-                n_values = int(x.size)
-            changed_values = int(np.count_nonzero(diff_bits))
-            if changed_values:
-                if not quant:
+            n_values = int(x.shape[0]) * _elements(int(x.shape[1]), t) if quant else int(x.size)
+            changed_bytes = changed_values = 0
+            max_abs = l2 = 0.0
+            if not _same_memory(x, y):  # apply_subset's result shares the arrays it leaves with its recipient
+                uview = _UINT_VIEW[int(t)]
+                xb = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("<")).view(uview)
+                yb = np.ascontiguousarray(y, dtype=y.dtype.newbyteorder("<")).view(uview)
+                changed_bytes = int(np.count_nonzero(xb.view(np.uint8) != yb.view(np.uint8)))
+            if changed_bytes:  # no bit differs: no value does
+                if quant:  # a value changes when its quant or its block scale does
                     xv, yv = values_f64(x, t), values_f64(y, t)
-                with np.errstate(invalid="ignore", over="ignore"):
-                    # only values whose stored bits differ count (identical NaNs / infs give 0)
-                    d = np.where(diff_bits, xv - yv, 0.0)
-                    max_abs = float(np.max(np.abs(d)))
-                    l2 = float(np.sqrt(np.sum(np.square(d))))
-            else:
-                max_abs, l2 = 0.0, 0.0
+                    diff_bits = (xv != yv) | (np.isnan(xv) != np.isnan(yv))
+                else:
+                    diff_bits = xb != yb
+                changed_values = int(np.count_nonzero(diff_bits))
+                if changed_values:
+                    if not quant:
+                        xv, yv = values_f64(x, t), values_f64(y, t)
+                    with np.errstate(invalid="ignore", over="ignore"):
+                        # only values whose stored bits differ count (identical NaNs / infs give 0);
+                        # in place in xv (the values of np.where(diff, x - y, 0), |d| and d**2 exactly)
+                        d = np.subtract(xv, yv, out=xv)
+                        del yv
+                        d[~diff_bits] = 0.0
+                        max_abs = float(np.max(np.abs(d, out=d)))
+                        l2 = float(np.sqrt(np.sum(np.square(d, out=d))))
+                    del xv, d
+                del diff_bits
             with np.errstate(over="ignore", invalid="ignore"):
-                ref_l2 = float(np.sqrt(np.sum(np.square(values_f64(r, t)))))
+                rv = values_f64(r, t)
+                if not np.may_share_memory(rv, r):
+                    np.square(rv, out=rv)
+                else:  # an F64 array would be its own values: square a copy
+                    rv = np.square(rv)
+                ref_l2 = float(np.sqrt(np.sum(rv)))
+                del rv
+            for arr in (x, y, r):  # states mapped from files: only the layer at hand stays resident
+                release(arr)
             comps[a.component_name(il, comp)] = ComponentDiff(
                 layer=int(ids[il]), component=comp, n_values=n_values, nbytes=int(x.nbytes),
                 changed_bytes=changed_bytes, changed_values=changed_values, max_abs=max_abs,

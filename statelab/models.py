@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from statelab.errors import ModelError
 from statelab.kvstate import SWA_STANDARD, MemoryLayout, PartLayout
@@ -184,6 +185,49 @@ def read_model_info(path: str | os.PathLike | None = None) -> ModelInfo:
     info = _read_header(p)
     _file_cache_store(cache, known, key, info.as_dict())
     return info
+
+
+def gguf_reader(path: str | os.PathLike):
+    """A ``gguf.GGUFReader`` of ``path`` (read-only map); a damaged file is a ModelError."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    class _PlainViewReader(GGUFReader):
+        """GGUFReader whose file map is held as a plain ndarray view (still file-backed, no
+        copy): slicing an np.memmap subclass costs ~4x more while the vocabulary is parsed."""
+
+        @property
+        def data(self):
+            return self._data
+
+        @data.setter
+        def data(self, value):
+            self._data = value.view(np.ndarray)
+
+    try:
+        return _PlainViewReader(str(path), "r")
+    except Exception as e:  # gguf raises ValueError/struct errors on damaged files
+        raise ModelError(f"cannot read GGUF file {path}: {e}") from None
+
+
+def gguf_field_value(field) -> tuple[Any, Any, Any]:
+    """(value, type, sub_type) of a reader field, as GGUFWriter.add_key_value takes them.
+    Strings are passed as their raw bytes (the writer packs bytes verbatim)."""
+    from gguf import GGUFValueType
+
+    vtype = field.types[0]
+    if vtype == GGUFValueType.ARRAY:
+        if len(field.types) != 2:
+            raise ModelError(f"metadata key {field.name} is a nested array, which cannot be copied")
+        sub = field.types[1]
+        if not field.data:
+            raise ModelError(f"metadata key {field.name} is an empty array, which the gguf writer cannot write")
+        if sub == GGUFValueType.STRING:
+            return [bytes(field.parts[i]) for i in field.data], vtype, sub
+        return field.contents(), vtype, sub
+    if vtype == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]), vtype, None
+    return field.contents(), vtype, None
 
 
 def _read_header(p: Path) -> ModelInfo:

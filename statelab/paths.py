@@ -14,7 +14,7 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -240,10 +240,18 @@ def atomic_path(path: str | os.PathLike, replace: bool = True) -> Iterator[Path]
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, replace: bool = True) -> Path:
+    return atomic_write_pieces(path, [data], replace)
+
+
+def atomic_write_pieces(path: str | os.PathLike, pieces: Iterable, replace: bool = True) -> Path:
+    """``path`` holding the byte pieces (bytes-like objects) one after the other, written
+    atomically as :func:`atomic_path` does, piece by piece: nothing is joined in memory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path, replace) as tmp:
-        tmp.write_bytes(data)
+        with open(tmp, "wb") as f:
+            for piece in pieces:
+                f.write(piece)
     return path
 
 

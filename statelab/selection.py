@@ -68,6 +68,7 @@ import math
 import os
 import re
 import tomllib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -75,6 +76,7 @@ from pathlib import Path
 import numpy as np
 
 from statelab.errors import StatelabError
+from statelab.mapping import release
 from statelab.resources import data_dir
 from statelab.kvstate import (
     SWA_CHUNKED,
@@ -371,9 +373,20 @@ def load_selector(name_or_path: str | os.PathLike, search_dirs=None) -> Selector
 # --------------------------------------------------------------------------- masks
 
 
-def flat_mask_sha256(flat: np.ndarray) -> str:
-    """sha256 of a flat bool mask, packed to bits (equal masks, equal hashes)."""
-    return hashlib.sha256(np.packbits(flat).tobytes()).hexdigest()
+def flat_mask_sha256(flat) -> str:
+    """sha256 of a flat bool mask, packed to bits (equal masks, equal hashes); ``flat`` may also
+    be an iterable of consecutive pieces of it (the hash is that of their concatenation)."""
+    if isinstance(flat, np.ndarray):
+        return hashlib.sha256(np.packbits(flat).tobytes()).hexdigest()
+    h, carry = hashlib.sha256(), np.zeros(0, dtype=bool)
+    for piece in flat:
+        bits = np.concatenate([carry, piece]) if carry.size else np.asarray(piece, dtype=bool)
+        whole = bits.size - bits.size % 8
+        h.update(np.packbits(bits[:whole]).tobytes())
+        carry = bits[whole:]
+    if carry.size:
+        h.update(np.packbits(carry).tobytes())
+    return h.hexdigest()
 
 
 @dataclass(eq=False)
@@ -475,14 +488,20 @@ class Selection:
         self._check_compatible(other)
         return all(np.array_equal(a, b) for a, b in zip(self.k + self.v, other.k + other.v))
 
+    def flat_pieces(self) -> Iterator[np.ndarray]:
+        """:meth:`to_flat` piece by piece (one layer and component at a time)."""
+        for m in self.k + self.v:
+            yield m.ravel()
+
     def to_flat(self) -> np.ndarray:
         """One bool vector in blob order (all K layers, then all V layers, each in storage order)."""
         parts = [m.ravel() for m in self.k + self.v]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
 
     def mask_sha256(self) -> str:
-        """The byte mask's identity: :func:`flat_mask_sha256` of :meth:`to_flat`."""
-        return flat_mask_sha256(self.to_flat())
+        """The byte mask's identity: :func:`flat_mask_sha256` of :meth:`to_flat` (streamed over
+        the layers: no flat copy of the masks)."""
+        return flat_mask_sha256(self.flat_pieces())
 
     def check_matches(self, state: KVState) -> None:
         """Raise :class:`KVFormatError` unless the masks have the shapes of ``state``'s arrays."""
@@ -523,9 +542,20 @@ def _layer_map(state: KVState) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
 
 
+def _nothing(shape) -> np.ndarray:
+    return np.broadcast_to(np.False_, shape)
+
+
+def _own(mask: np.ndarray) -> np.ndarray:
+    """``mask`` as an array of its own (a writable copy of a broadcast), to be or-ed into."""
+    return mask if mask.flags.writeable else np.zeros(mask.shape, dtype=bool)
+
+
 def _eval(selector: Selector, state: KVState) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    k = [np.zeros(a.shape, dtype=bool) for a in state.k]
-    v = [np.zeros(a.shape, dtype=bool) for a in state.v]
+    # a layer no term touches keeps a read-only all-False broadcast (no memory); a touched one
+    # gets its own mask: the masks of a selector over a few layers cost those layers only
+    k = [_nothing(a.shape) for a in state.k]
+    v = [_nothing(a.shape) for a in state.v]
     if not state.n_layer:  # empty state: nothing to select
         return k, v
     ids = _layer_map(state)
@@ -544,10 +574,12 @@ def _eval(selector: Selector, state: KVState) -> tuple[list[np.ndarray], list[np
             if "K" in term.component:
                 f = _head_features(selector, term, state, il, "K")
                 t = cm[:, None] & f[None, :]                         # K: a cell is a row
+                k[il] = _own(k[il])
                 k[il] |= (t & base[0][il]) if base is not None else t
             if "V" in term.component:
                 f = _head_features(selector, term, state, il, "V")
                 t = (f[:, None] & cm[None, :]) if state.v_trans else (cm[:, None] & f[None, :])  # V^T: a column
+                v[il] = _own(v[il])
                 v[il] |= (t & base[1][il]) if base is not None else t
     return k, v
 
@@ -619,24 +651,59 @@ def _cell_map(rp, dp) -> np.ndarray | None:
     return perm
 
 
+def _check_cross(recipient: KVState, donor: KVState, selection: Selection) -> list:
+    check_same_geometry(recipient, donor, ("recipient", "donor"))
+    maps = [_cell_map(rp, dp) for rp, dp in zip(recipient.part_list, donor.part_list)]
+    selection.check_matches(recipient)
+    return [maps[int(i)] for i in recipient.layer_part]
+
+
+def _donor_values(donor: KVState, il: int, comp: str, perm) -> np.ndarray:
+    d = donor.k[il] if comp == "K" else donor.v[il]
+    if perm is not None:
+        d = d[:, perm] if comp == "V" and donor.v_trans else d[perm]
+    return d
+
+
 def apply_subset(recipient: KVState, donor: KVState, selection: Selection) -> KVState:
-    """A copy of ``recipient`` whose selected values come from ``donor``.
+    """A state holding ``recipient`` with its selected values taken from ``donor``.
 
     Cells correspond by stored position (a part whose cells hold the same positions in
     another order is matched position by position). Refuses (:class:`KVFormatError`)
     states of different geometry, different stored positions or a selection made for
     another geometry.
-    """
-    check_same_geometry(recipient, donor, ("recipient", "donor"))
-    maps = [_cell_map(rp, dp) for rp, dp in zip(recipient.part_list, donor.part_list)]
-    selection.check_matches(recipient)
-    out = recipient.copy()
-    lpart = recipient.layer_part
-    for il, perm in enumerate(maps[int(i)] for i in lpart):
-        dk, dv = donor.k[il], donor.v[il]
-        if perm is not None:
-            dk = dk[perm]
-            dv = dv[:, perm] if donor.v_trans else dv[perm]
-        np.copyto(out.k[il], dk, where=selection.k[il])
-        np.copyto(out.v[il], dv, where=selection.v[il])
+
+    Only the layers and components the selection touches are copied; every other array of
+    the result is a read-only view of the recipient's own (an 8B state's cross over a few
+    layers costs those layers, not the state)."""
+    perms = _check_cross(recipient, donor, selection)
+    out = recipient.copy(values=False)
+    for il, perm in enumerate(perms):
+        for comp, arrs, mask in (("K", out.k, selection.k), ("V", out.v, selection.v)):
+            if not mask[il].any():
+                continue
+            own = np.array(arrs[il], copy=True)
+            np.copyto(own, _donor_values(donor, il, comp, perm), where=mask[il])
+            release(arrs[il])  # states mapped from their files: their pages go back once copied
+            release(donor.k[il] if comp == "K" else donor.v[il])
+            arrs[il] = own
     return out
+
+
+def subset_payload(recipient: KVState, donor: KVState, selection: Selection) -> tuple[bytearray, KVState]:
+    """What a subset cross imports: the blob of :func:`apply_subset`'s state, made in one buffer
+    (the recipient's serialisation, the donor's selected values written into it), and that state,
+    whose changed layers are views of the buffer and whose other layers are the recipient's own
+    arrays (read-only). The buffer is the only copy of the state made."""
+    perms = _check_cross(recipient, donor, selection)
+    buf = recipient.to_buffer()
+    mixed = KVState.parse(buf, copy=False)  # writable views of buf
+    out = recipient.copy(values=False)
+    for il, perm in enumerate(perms):
+        for comp, arrs, views, mask in (("K", out.k, mixed.k, selection.k), ("V", out.v, mixed.v, selection.v)):
+            if not mask[il].any():
+                continue
+            np.copyto(views[il], _donor_values(donor, il, comp, perm), where=mask[il])
+            release(donor.k[il] if comp == "K" else donor.v[il])
+            arrs[il] = views[il]
+    return buf, out.freeze()

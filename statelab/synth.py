@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from statelab.errors import ConfigError, ModelError, one_of
-from statelab.models import file_sha256, model_sha256, resolve_model
+from statelab.models import file_sha256, gguf_field_value, gguf_reader, model_sha256, resolve_model
 from statelab.paths import atomic_path, atomic_write_text, cache_dir, temp_prefix
 
 #: bump whenever the bytes a (shape, type, seed) gives change
@@ -286,10 +286,8 @@ def generate(t: TensorPlan, seed: int, shape: Shape, pool: ThreadPoolExecutor | 
 
 def _tokenizer_fields(path: Path) -> tuple[list, int]:
     """The tokenizer.* metadata of a GGUF (as GGUFWriter.add_key_value arguments) and its token count."""
-    from statelab.speculative.derive import _field_value, _reader
-
-    reader = _reader(path)
-    out = [(f.name, *_field_value(f)) for f in reader.fields.values() if f.name.startswith("tokenizer.")]
+    reader = gguf_reader(path)
+    out = [(f.name, *gguf_field_value(f)) for f in reader.fields.values() if f.name.startswith("tokenizer.")]
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise ModelError(f"{path} has no tokenizer (tokenizer.ggml.tokens) to copy")

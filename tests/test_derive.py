@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from statelab.speculative.derive import DERIVED_FROM_KEY, DERIVED_LAYERS_KEY, _reader, derive_truncated, same_vocabulary
+from statelab.models import gguf_reader
+from statelab.speculative.derive import DERIVED_FROM_KEY, DERIVED_LAYERS_KEY, derive_truncated, same_vocabulary
 from statelab.errors import ConfigError, ModelError
 
 N = 4
@@ -26,7 +27,7 @@ def derived(src, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def readers(src, derived):
-    return _reader(src), _reader(derived[0])
+    return gguf_reader(src), gguf_reader(derived[0])
 
 
 def _write_vocab_file(path, tokens, bos=1, eos=2, model="gpt2"):

@@ -118,9 +118,10 @@ def test_the_file_is_a_qwen3_gguf_of_the_shape_with_the_smollm2_tokenizer(ci_ide
     from gguf import GGMLQuantizationType
 
     from statelab.models import default_model_path
-    from statelab.speculative.derive import _reader, same_vocabulary
+    from statelab.models import gguf_reader
+    from statelab.speculative.derive import same_vocabulary
 
-    r = _reader(ci.path)
+    r = gguf_reader(ci.path)
 
     def get(k):
         return r.fields[k].contents()
@@ -143,7 +144,7 @@ def test_same_recipe_same_bytes_in_a_fresh_cache(ci_ident, tmp_path, monkeypatch
     """Rebuilt from nothing (another cache folder, one thread instead of all): the same bytes.
     Another seed gives other weights; the F16 file holds exactly what generate() gives for a
     tensor, whatever the order (per-tensor, per-block seeds)."""
-    from statelab.speculative.derive import _reader
+    from statelab.models import gguf_reader
 
     monkeypatch.setenv("STATELAB_CACHE", str(tmp_path / "cache"))
     again = synthesize("ci", "q8_0", 0, threads=1)
@@ -154,7 +155,7 @@ def test_same_recipe_same_bytes_in_a_fresh_cache(ci_ident, tmp_path, monkeypatch
     assert other["f16_sha256"] is None and other["sha256"] != ci_ident["f16_sha256"]
     shape = get_shape("ci")
     plan = {t.name: t for t in tensor_plan(shape, 49152)}
-    r = _reader(other["path"])
+    r = gguf_reader(other["path"])
     for name in ("blk.2.ffn_down.weight", "token_embd.weight"):  # token_embd: 12 blocks of 4096 rows
         stored = next(t for t in r.tensors if t.name == name)
         assert np.array_equal(np.asarray(stored.data).view(np.float16), generate(plan[name], 1, shape))
@@ -355,13 +356,13 @@ def test_the_llama3_path_loads_and_runs(cfg, he):
     """ci-llama: the llama architecture with Llama 3's RoPE scaling as a rope_freqs tensor (which
     llama.cpp would refuse as an unused tensor if its llama loader did not take it), untied output."""
     from statelab.runtime import Model
-    from statelab.speculative.derive import _reader
+    from statelab.models import gguf_reader
     from statelab.synth import llama3_rope_factors
 
     ident = synthesize("ci-llama", "q8_0", 0)
     f = llama3_rope_factors(get_shape("ci-llama"))
     assert f.shape == (32,) and f[0] == 1.0 and f[-1] == 32.0 and np.all(np.diff(f) >= 0)
-    stored = {t.name: t for t in _reader(ident["path"]).tensors}
+    stored = {t.name: t for t in gguf_reader(ident["path"]).tensors}
     assert np.array_equal(np.asarray(stored["rope_freqs.weight"].data), f) and "output.weight" in stored
     m = Model(ident["path"], backend="cpu")
     try:

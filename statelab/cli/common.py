@@ -84,10 +84,11 @@ def prompt_of(prompt: Optional[str], humaneval: Optional[str], prompt_file: Opti
     return prompts.from_file(prompt_file)
 
 
-def load_capture_dir(path: Path):
+def load_capture_dir(path: Path, mapped: bool = False):
+    """``mapped``: the payload as a read-only map of its file (commands that only read it)."""
     from statelab.lab.archive import load_capture
 
-    return load_capture(path)
+    return load_capture(path, mapped)
 
 
 def print_endpoint(m, ep, label: str, json_out: bool) -> None:

@@ -56,6 +56,6 @@ def export_state(capture_dir: Path = typer.Argument(..., help="a capture folder"
     """Write a capture as a llama.cpp state file."""
     from statelab.lab.interop import export_state_file
 
-    c = load_capture_dir(capture_dir)
+    c = load_capture_dir(capture_dir, mapped=True)
     path = export_state_file(c, file, kind, model, overwrite, streams)
     console.print(f"{path}: {kind} state file, {c.n_prompt} tokens, {path.stat().st_size} bytes", markup=False)

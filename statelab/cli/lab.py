@@ -125,7 +125,7 @@ def cross_(donor: Path = typer.Argument(..., help="donor capture"),
     """Whole-KV cross: the donor's KV imported into the recipient's path."""
     from statelab.lab.intervene import config_of, cross
 
-    d, r = load_capture_dir(donor), load_capture_dir(recipient)
+    d, r = load_capture_dir(donor, mapped=True), load_capture_dir(recipient, mapped=True)
     m, _ = setup(model_for(r, model), config_of(r).backend)
     ep, acc = cross(m, d, r, logits_from, cap, allow_other_backend=allow_backend)
     print_endpoint(m, ep, f"cross {d.schedule.name}->{r.schedule.name} ({d.prompt_id})", json_out)
@@ -141,7 +141,7 @@ def diff(a: Path = typer.Argument(..., help="capture A"), b: Path = typer.Argume
     from statelab.api import comparable_states, difference_summary
     from statelab.kvstate import compare
 
-    ca, cb = load_capture_dir(a), load_capture_dir(b)
+    ca, cb = load_capture_dir(a, mapped=True), load_capture_dir(b, mapped=True)
     sa, sb = comparable_states(ca, cb)
     d = compare(sa, sb)
     t = Table(title=f"{ca.schedule.name} vs {cb.schedule.name} ({ca.prompt_id})")

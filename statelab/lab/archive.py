@@ -15,7 +15,6 @@ geometry, KV type and backend.
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -28,6 +27,7 @@ import numpy as np
 from statelab.errors import IdentityError, StatelabError
 from statelab.kvstate import KVFormatError, KVState, MemoryLayout, v_layout
 from statelab.lab.formation import Capture, Schedule
+from statelab.mapping import chunks, map_file, sha256_of
 from statelab.paths import (REPLACED, clean_stale_temporaries, output_lock, read_json_record, rename_noreplace,
                             temp_prefix)
 from statelab.runtime.context import KV_TYPES
@@ -40,7 +40,7 @@ class ArchiveError(StatelabError):
 
 
 def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    return sha256_of(data)  # streamed: a mapped file's pages go back as they are hashed
 
 
 def _npy_bytes(arr: np.ndarray) -> bytes:
@@ -101,7 +101,8 @@ def _write_files_locked(dest: Path, files: dict[str, bytes], manifest: dict, ove
         payload = {**files, "manifest.json": json.dumps(manifest, indent=2, sort_keys=True).encode()}
         for name, data in payload.items():  # durable before the folder is renamed into place
             with open(tmp / name, "wb") as f:
-                f.write(data)
+                for piece in chunks(data):  # a mapped payload streams through
+                    f.write(piece)
                 f.flush()
                 os.fsync(f.fileno())
         if overwrite and dest.exists():  # a folder cannot be renamed over a full one: the old one steps aside first
@@ -139,8 +140,10 @@ def read_manifest(src: Path, fmt: str) -> dict:
     return manifest
 
 
-def read_verified(src: Path, fmt: str) -> tuple[dict, dict[str, bytes]]:
-    """The sealed manifest and every file it lists, each checked against its sha256."""
+def read_verified(src: Path, fmt: str, mapped: tuple[str, ...] = ()) -> tuple[dict, dict[str, bytes]]:
+    """The sealed manifest and every file it lists, each checked against its sha256. The files
+    named in ``mapped`` come as read-only maps (:func:`statelab.mapping.map_file`: memoryviews
+    that hold nothing resident once hashed), the others as bytes."""
     src = Path(src)
     manifest = read_manifest(src, fmt)
     files = {}
@@ -148,7 +151,7 @@ def read_verified(src: Path, fmt: str) -> tuple[dict, dict[str, bytes]]:
         p = src / name
         if os.path.basename(name) != name or not p.is_file():
             raise ArchiveError(f"{src}: file {name} listed in the manifest is missing")
-        data = p.read_bytes()
+        data = map_file(p) if name in mapped else p.read_bytes()
         if _sha(data) != digest:
             raise ArchiveError(f"{src}: sha256 mismatch for {name} (archive damaged or edited)")
         files[name] = data
@@ -182,10 +185,15 @@ def _npy(data: bytes, what: str, src, dtype) -> np.ndarray:
     return arr
 
 
-def load_capture(src: str | os.PathLike) -> Capture:
+def load_capture(src: str | os.PathLike, mapped: bool = False) -> Capture:
     """Read a capture and verify it: the manifest's seal, every file's sha256, the KV
-    payload's hash and per-component hashes, the capture hashes and the token count."""
-    manifest, files = read_verified(Path(src), FORMAT)
+    payload's hash and per-component hashes, the capture hashes and the token count.
+
+    The state's arrays are read-only views of the payload (no copy). ``mapped``: the payload
+    is a read-only map of ``kv.bin`` (a memoryview, see :mod:`statelab.mapping`) rather than
+    bytes: verifying, comparing, crossing and exporting it then hold only the layer at hand,
+    whatever the state's size."""
+    manifest, files = read_verified(Path(src), FORMAT, ("kv.bin",) if mapped else ())
     for need in ("tokens.npy", "logits.npy", "kv.bin"):
         if need not in files:
             raise ArchiveError(f"{src}: manifest lists no {need}")
@@ -195,7 +203,7 @@ def load_capture(src: str | os.PathLike) -> Capture:
     ident = manifest.get("identity")
     rec = ident.get("memory") if isinstance(ident, dict) else None
     try:
-        state = KVState.parse(blob, MemoryLayout.from_dict(rec) if isinstance(rec, dict) else None)
+        state = KVState.view(blob, MemoryLayout.from_dict(rec) if isinstance(rec, dict) else None)  # no copy
         state.check_positions()
         kv = manifest["kv"]
         if state.sha256() != kv["sha256"]:

@@ -23,6 +23,7 @@ import numpy as np
 from statelab.errors import ConfigError
 from statelab.kvstate import KVState, MemoryLayout
 from statelab.limits import check_tokens
+from statelab.mapping import sha256_of
 from statelab.runtime import Context, context_identity
 
 REST = -1
@@ -171,14 +172,14 @@ class Capture:
     @property
     def state(self):
         if "_state" not in self.__dict__:
-            self.__dict__["_state"] = KVState.parse(self.blob, self.layout)
+            self.__dict__["_state"] = KVState.view(self.blob, self.layout)  # read-only views of the blob
         return self.__dict__["_state"]
 
     def hashes(self) -> dict:
         return {
             "tokens": hashlib.sha256(np.ascontiguousarray(self.tokens, np.int32).tobytes()).hexdigest(),
             "logits": hashlib.sha256(np.ascontiguousarray(self.logits, np.float32).tobytes()).hexdigest(),
-            "kv": hashlib.sha256(self.blob).hexdigest(),
+            "kv": sha256_of(self.blob),  # streamed (a mapped payload stays unresident)
         }
 
     def with_blob(self, blob: bytes, **extra) -> "Capture":

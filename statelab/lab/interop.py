@@ -39,8 +39,9 @@ import numpy as np
 from statelab.errors import IdentityError, StatelabError
 from statelab.kvstate import KVFormatError, KVState, SEQ_STATE_MAGIC, is_quantised, type_name, v_layout
 from statelab.lab.formation import Capture, REST, Schedule, context_config_for
+from statelab.mapping import chunks
 from statelab.models import file_sha256, read_model_info
-from statelab.paths import atomic_write_bytes, output_lock
+from statelab.paths import atomic_write_pieces, output_lock
 from statelab.runtime import Context, context_identity
 from statelab.runtime.context import KV_TYPES
 from statelab.runtime.statefile import make_llama_state
@@ -232,7 +233,7 @@ def read_state_file(path: str | os.PathLike, model=None) -> StateFile:
 
 def whole_stream(blob: bytes, arch: str) -> bytes:
     """The whole-context stream (``llama_state_get_data``) of a single-sequence capture blob."""
-    return encode_state_file("whole", [], blob, arch)[_HEADER.size:]
+    return b"".join(state_file_pieces("whole", [], blob, arch)[2:])
 
 
 def split_whole_stream(data: bytes, source: str) -> tuple[str, bytes]:
@@ -243,23 +244,24 @@ def split_whole_stream(data: bytes, source: str) -> tuple[str, bytes]:
     return arch, bytes(data[off:])
 
 
-def _memory_part(blob: bytes, n_stream: int = 1) -> bytes:
-    """The capture blob without its sequence header; with ``n_stream`` > 1 as a cache of that
-    many streams whose first holds the cells."""
-    st = KVState.parse(blob)  # a capture's blob is checked before it is handed on
+def _memory_part(blob, n_stream: int = 1) -> list:
+    """The capture blob without its sequence header, as pieces (views of the blob, no copy);
+    with ``n_stream`` > 1 as a cache of that many streams whose first holds the cells."""
+    st = KVState.view(blob)  # a capture's blob is checked before it is handed on
     if st.seq_id != 0:
         raise InteropError(f"the capture's state is for sequence {st.seq_id}, expected 0")
+    mem = memoryview(blob).cast("B")
     if n_stream == 1:
-        return bytes(blob[8:])
+        return [mem[8:]]
     if len(st.part_list) != 1:
         raise InteropError("a state of several caches (iSWA) is written with one stream only")
-    return struct.pack("<I", n_stream) + blob[12:] + bytes(4 * (n_stream - 1))
+    return [struct.pack("<I", n_stream), mem[12:], bytes(4 * (n_stream - 1))]
 
 
-def encode_state_file(kind: str, tokens, blob: bytes, arch: str | None = None, n_stream: int = 1) -> bytes:
-    """The bytes of a llama.cpp state file holding ``tokens`` and a capture's sequence-0 blob.
-    ``n_stream``: the KV streams of the receiving context (a non-unified cache has one per
-    sequence, and llama.cpp restores only a file with as many); the cells go in the first."""
+def state_file_pieces(kind: str, tokens, blob, arch: str | None = None, n_stream: int = 1) -> list:
+    """The bytes of a llama.cpp state file (see :func:`encode_state_file`) as consecutive pieces:
+    the header, the tokens, the architecture record (whole-context files), then the memory part
+    as views of ``blob``; written one after the other, no copy of the state is made."""
     if kind not in KINDS:
         raise InteropError(f"unknown state file kind {kind!r}: use 'seq' (llama_state_seq_save_file, llama-server "
                            "slots) or 'whole' (llama_state_save_file)")
@@ -267,14 +269,20 @@ def encode_state_file(kind: str, tokens, blob: bytes, arch: str | None = None, n
         raise InteropError(f"n_stream must be 1..256, got {n_stream}")
     toks = np.ascontiguousarray(tokens, dtype="<i4")
     magic, version = KINDS[kind]
-    head = _HEADER.pack(magic, version, len(toks)) + toks.tobytes()
-    memory = _memory_part(blob, int(n_stream))
+    head = [_HEADER.pack(magic, version, len(toks)), toks.tobytes()]
     if kind == "whole":
         if not arch:
             raise InteropError("a whole-context state file records the model architecture: give the model")
         a = arch.encode("ascii")
-        return head + struct.pack("<I", len(a)) + a + memory
-    return head + memory
+        head.append(struct.pack("<I", len(a)) + a)
+    return head + _memory_part(blob, int(n_stream))
+
+
+def encode_state_file(kind: str, tokens, blob: bytes, arch: str | None = None, n_stream: int = 1) -> bytes:
+    """The bytes of a llama.cpp state file holding ``tokens`` and a capture's sequence-0 blob.
+    ``n_stream``: the KV streams of the receiving context (a non-unified cache has one per
+    sequence, and llama.cpp restores only a file with as many); the cells go in the first."""
+    return b"".join(state_file_pieces(kind, tokens, blob, arch, n_stream))
 
 
 # --------------------------------------------------------------------------- import
@@ -607,11 +615,11 @@ def export_state_file(capture: Capture, path, kind: str = "seq", model_path=None
     if p.exists() and not (overwrite and p.is_file()):
         raise InteropError(f"output already exists: {p}" + ("" if p.is_file() else " (not a file)"))
     arch = model_arch(capture, model_path) if kind == "whole" else None
-    data = encode_state_file(kind, capture.tokens, capture.blob, arch, n_stream)
+    pieces = state_file_pieces(kind, capture.tokens, capture.blob, arch, n_stream)  # views: the state streams out
     p.parent.mkdir(parents=True, exist_ok=True)
     with output_lock(p, InteropError):  # one writer; without overwrite a file that appeared meanwhile stays
         try:
-            return atomic_write_bytes(p, data, replace=overwrite)
+            return atomic_write_pieces(p, (c for piece in pieces for c in chunks(piece)), replace=overwrite)
         except FileExistsError:
             raise InteropError(f"output already exists: {p}") from None
 

@@ -13,7 +13,7 @@ from statelab.lab.archive import check_importable
 from statelab.lab.formation import Capture, form
 from statelab.lab.receiver import DEFAULT_CAP, Endpoint, check_cap, continue_greedy
 from statelab.runtime import Context, ContextConfig
-from statelab.selection import apply_subset
+from statelab.selection import subset_payload
 
 
 def config_of(capture: Capture):
@@ -129,8 +129,7 @@ def subset_cross(model, donor: Capture, recipient: Capture, selection, cap: int 
     (``account_s``)."""
     config = check_pair(model, donor, recipient, allow_other_backend)
     t0 = time.perf_counter()
-    mixed = apply_subset(recipient.state, donor.state, selection)
-    blob = mixed.to_bytes()
+    blob, mixed = subset_payload(recipient.state, donor.state, selection)  # the one copy of the state it makes
     t1 = time.perf_counter()
     ep = import_and_continue(model, config, blob, recipient.logits, recipient.n_prompt, check_cap(cap), trace,
                              contexts, follow, timing)

@@ -10,57 +10,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 from statelab.errors import ConfigError, ModelError
-from statelab.models import model_sha256, resolve_model
+from statelab.models import gguf_field_value, gguf_reader, model_sha256, resolve_model
 from statelab.paths import atomic_path
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 DERIVED_FROM_KEY = "statelab.derived_from"
 DERIVED_LAYERS_KEY = "statelab.derived_layers"
-
-
-def _reader(path: Path):
-    import numpy as np
-    from gguf import GGUFReader
-
-    class _PlainViewReader(GGUFReader):
-        """GGUFReader whose file map is held as a plain ndarray view (still file-backed, no
-        copy): slicing an np.memmap subclass costs ~4x more while the vocabulary is parsed."""
-
-        @property
-        def data(self):
-            return self._data
-
-        @data.setter
-        def data(self, value):
-            self._data = value.view(np.ndarray)
-
-    try:
-        return _PlainViewReader(str(path), "r")
-    except Exception as e:  # gguf raises ValueError/struct errors on damaged files
-        raise ModelError(f"cannot read GGUF file {path}: {e}") from None
-
-
-def _field_value(field) -> tuple[Any, Any, Any]:
-    """(value, type, sub_type) of a reader field, as GGUFWriter.add_key_value takes them.
-    Strings are passed as their raw bytes (the writer packs bytes verbatim)."""
-    from gguf import GGUFValueType
-
-    vtype = field.types[0]
-    if vtype == GGUFValueType.ARRAY:
-        if len(field.types) != 2:
-            raise ModelError(f"metadata key {field.name} is a nested array, which cannot be copied")
-        sub = field.types[1]
-        if not field.data:
-            raise ModelError(f"metadata key {field.name} is an empty array, which the gguf writer cannot write")
-        if sub == GGUFValueType.STRING:
-            return [bytes(field.parts[i]) for i in field.data], vtype, sub
-        return field.contents(), vtype, sub
-    if vtype == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]), vtype, None
-    return field.contents(), vtype, None
 
 
 def _block_count(reader, path: Path) -> tuple[str, int]:
@@ -93,7 +50,7 @@ def derive_truncated(src: Path | None, dst: Path, n_layers: int, overwrite: bool
     if dst.exists() and dst.resolve() == src:
         raise ConfigError(f"output is the source model itself: {dst}")
 
-    reader = _reader(src)
+    reader = gguf_reader(src)
     arch, n_src = _block_count(reader, src)
     if not 1 <= n_layers < n_src:
         raise ConfigError(f"the layer count (--layers) must be between 1 and {n_src - 1} "
@@ -131,7 +88,7 @@ def derive_truncated(src: Path | None, dst: Path, n_layers: int, overwrite: bool
                 if key == f"{arch}.block_count":
                     writer.add_key_value(key, n_layers, field.types[0])
                     continue
-                val, vtype, sub = _field_value(field)
+                val, vtype, sub = gguf_field_value(field)
                 if (vtype == GGUFValueType.ARRAY and sub != GGUFValueType.STRING and key.startswith(f"{arch}.")
                         and len(val) == n_src):
                     val = val[:n_layers]  # per-layer metadata (head counts, ffn lengths, window patterns ...)
@@ -162,7 +119,7 @@ def derive_truncated(src: Path | None, dst: Path, n_layers: int, overwrite: bool
 
 
 def _vocab(path: Path) -> dict:
-    r = _reader(path)
+    r = gguf_reader(path)
 
     def scalar(key):
         f = r.fields.get(key)
