@@ -3,14 +3,14 @@ give the same records and reports (timings, paths, pids and hosts aside) as the 
 files in tests/golden/, made by ``tests/golden_outputs.py`` from the code before the fork
 server and the experiment engine (commit 040dab2).  Run time in the whole suite on the shared
 2-core machine: ci 36 s, frontier-ci 37 s, spec-cpu 260 s (42 timed blocks run one at a time, on
-one core: it starts with the session and runs beside the other tests, see conftest.py)."""
+one core); the runs start with the session and run beside the other tests (conftest.py)."""
 import difflib
 import json
 
 import pytest
 
 from conftest import golden_output
-from golden_outputs import STUDIES, golden, normalise, run
+from golden_outputs import STUDIES, golden, normalise
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.cli]
 
@@ -37,7 +37,7 @@ def test_batch_executor_gives_the_golden_study(tmp_path, lanes):
     once in their own contexts) gives the same records and reports as the golden per-cell
     processes, each of which decoded in a new context."""
     want = golden("ci")
-    got = normalise(run("ci", tmp_path / "ci", extra=("--executor", "batch", "--lanes", str(lanes))), "ci")
+    got = normalise(golden_output(f"ci-batch-{lanes}", tmp_path), "ci")
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name] == want[name], \
