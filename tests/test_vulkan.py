@@ -8,32 +8,32 @@ import pytest
 
 pytestmark = [pytest.mark.model, pytest.mark.vulkan]
 
-# one process: the devices, then (where one is a Vulkan device) a few tokens and QB's admission
-SCRIPT = """
+PROBE = """
 import json
 from statelab.runtime import prepare_backend
 prepare_backend("vulkan")
 from statelab.runtime.native import build_identity, list_devices
-out = {"build": build_identity().get("backend"),
-       "devices": [d.registry + ":" + d.name + ":" + d.description for d in list_devices()]}
-if any(d.lower().startswith("vulkan") for d in out["devices"]):
-    from statelab import prompts
-    from statelab.audit.admission import device_refusal
-    from statelab.lab.formation import PRESETS, form
-    from statelab.lab.intervene import natural
-    from statelab.kvstate import compare
-    from statelab.runtime import ContextConfig, Model
-    m = Model(None, backend="vulkan")
-    base = ContextConfig(backend="vulkan", n_ctx=512)
-    p = prompts.humaneval(86)  # 133 tokens: C (ubatch 128) ends with a 5-token micro-batch, A does not
-    a, ea = natural(m, p, PRESETS["A"], base, cap=3)
-    c = form(m, p, PRESETS["C"], base)
-    d = compare(a.state, c.state)
-    out["run"] = {"n_prompt": a.n_prompt, "tokens": ea.tokens.tolist(), "device": m.device_name,
+print(json.dumps({"build": build_identity().get("backend"),
+                  "devices": [d.registry + ":" + d.name + ":" + d.description for d in list_devices()]}))
+"""
+
+RUN = """
+import json, sys
+from statelab import prompts
+from statelab.lab.formation import PRESETS, form
+from statelab.lab.intervene import natural
+from statelab.kvstate import compare
+from statelab.runtime import ContextConfig, Model, prepare_backend
+prepare_backend("vulkan")
+m = Model(None, backend="vulkan")
+base = ContextConfig(backend="vulkan", n_ctx=512)
+p = prompts.humaneval(86)  # 133 tokens: C (ubatch 128) ends with a 5-token micro-batch, A does not
+a, ea = natural(m, p, PRESETS["A"], base, cap=3)
+c = form(m, p, PRESETS["C"], base)
+d = compare(a.state, c.state)
+print(json.dumps({"n_prompt": a.n_prompt, "tokens": ea.tokens.tolist(), "device": m.device_name,
                   "kv_identical": d.identical, "kv_max_abs": d.max_abs, "first_layer": d.first_differing_layer,
-                  "logits_identical": a.logits.tobytes() == c.logits.tobytes()}
-    out["refusal"] = {q: {lo: device_refusal(m, lo, q) for lo in ("QB", "QB+W", "PQ", "GS")} for q in (1, 4)}
-print(json.dumps(out))
+                  "logits_identical": a.logits.tobytes() == c.logits.tobytes()}))
 """
 
 
@@ -42,23 +42,23 @@ def _run(code, timeout=900):
 
 
 @pytest.fixture(scope="module")
-def vulkan():
-    """(the Vulkan device, what SCRIPT measured on it); a skip where there is none."""
-    r = _run(SCRIPT)
+def vulkan_device():
+    r = _run(PROBE, 120)
     if r.returncode != 0:
-        pytest.fail(f"the Vulkan run failed: {r.stderr[-2000:]}")
+        pytest.fail(f"probe failed: {r.stderr[-1500:]}")
     info = json.loads(r.stdout.strip().splitlines()[-1])
     vk = [d for d in info["devices"] if d.lower().startswith("vulkan")]
     if not vk:
         reason = f"no Vulkan device (build {info['build']}, devices {info['devices']})"
         print(f"SKIP: {reason}")
         pytest.skip(reason)
-    return vk[0], info
+    return vk[0]
 
 
-def test_vulkan_generates_and_partition_changes_the_state(vulkan):
-    vulkan_device, info = vulkan
-    res = info["run"]
+def test_vulkan_generates_and_partition_changes_the_state(vulkan_device):
+    r = _run(RUN)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
     print(f"Vulkan {vulkan_device}: {res}")
     assert res["n_prompt"] == 133 and len(res["tokens"]) == 3
     assert res["device"] != "CPU"
@@ -66,10 +66,22 @@ def test_vulkan_generates_and_partition_changes_the_state(vulkan):
     assert not res["kv_identical"], "A and C formed identical states on Vulkan"
 
 
-def test_qb_is_reported_not_admitted_on_vulkan(vulkan, cli_subprocess):
+REFUSAL = """
+import json
+from statelab.audit.admission import device_refusal
+from statelab.runtime import Model, prepare_backend
+prepare_backend("vulkan")
+m = Model(None, backend="vulkan")
+print(json.dumps({q: {lo: device_refusal(m, lo, q) for lo in ("QB", "QB+W", "PQ", "GS")} for q in (1, 4)}))
+"""
+
+
+def test_qb_is_reported_not_admitted_on_vulkan(vulkan_device, cli_subprocess):
     """ggml-vulkan rejects QB's two products (src0 ne3 1, src1 ne3 q); the scheduler would silently run
     them on the CPU, so speculative arms report QB as not admitted, with the shapes, instead of running."""
-    res = vulkan[1]["refusal"]
+    r = _run(REFUSAL, 300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["1"] == {"QB": None, "QB+W": None, "PQ": None, "GS": None}  # one query: the native graph
     for lo in ("QB", "QB+W"):
         why = res["4"][lo]
