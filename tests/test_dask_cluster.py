@@ -19,7 +19,7 @@ import numpy as np
 import psutil
 import pytest
 
-from golden_outputs import golden, normalise
+from golden_outputs import assert_golden
 from statelab.experiments.matrix.results import load_dataset
 from statelab.experiments.matrix.spec import load_spec
 from statelab.experiments.matrix.store import CellLog
@@ -150,10 +150,7 @@ def test_ci_study_on_a_real_dask_cluster_survives_a_killed_worker(tmp_path):
 
         # the same records, results and report as the local executor: the golden CI study, which
         # tests/test_golden.py holds the local executor to (no second run of the study here)
-        want, now = golden("ci"), normalise(out, "ci")
-        assert sorted(now) == sorted(want), f"other files: {sorted(set(now) ^ set(want))}"
-        for name in want:
-            assert now[name] == want[name], f"ci/{name} differs on the Dask cluster"
+        assert_golden(out, "ci", " on the Dask cluster")
         assert np.isin(load_dataset(out / "results.nc").klass.values, ["B", "C", "D"]).all()
         runs = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
         assert runs[-1]["executor"] == f"dask://{addr}" and runs[-1]["failed"] == 0

@@ -19,7 +19,7 @@ import pytest
 import xarray as xr
 
 from conftest import one_line_error, run_cli
-from golden_outputs import golden, normalise
+from golden_outputs import assert_golden
 from statelab.experiments.matrix import (CellLog, StudyDir, StudyError, compile_study,
                                          load_dataset, load_spec, run_study)
 from statelab.experiments.matrix.cells import plan
@@ -216,10 +216,7 @@ def test_ci_study_killed_and_resumed(tmp_path):
     # uninterrupted run to it): the same records, controls, captures, results and report
     tasks, withheld = plan(spec_record, sdir, controls)
     assert not withheld and len(tasks) == 32
-    want, now = golden("ci"), normalise(out, "ci")
-    assert sorted(now) == sorted(want), f"other files: {sorted(set(now) ^ set(want))}"
-    for name in want:
-        assert now[name] == want[name], f"ci/{name} differs after the kill and the resume"
+    assert_golden(out, "ci", " after the kill and the resume")
 
     # the report recompiles from cells.jsonl alone, to the same Dataset and text
     report = (out / "report.md").read_text()
