@@ -2,14 +2,18 @@
 # Install statelab on a fresh machine and run its main job on the embedded default.
 #   ./install.sh                 install (Vulkan+CPU build where Vulkan can be had, else CPU), then demo
 #   ./install.sh --no-demo       install only
+#   ./install.sh --tests         also build what the tests compare against (the library without the
+#                                layout patches, CPU, cached), so the test phase compiles nothing
 #   STATELAB_BACKEND=cpu|vulkan|cuda ./install.sh   choose the native build
 # Everything goes into ./.venv (llama-server into .venv/bin); native builds are cached under ~/.cache/statelab.
 set -euo pipefail
 cd "$(dirname "$0")"
 run_demo=1
+for_tests=0
 for a in "$@"; do
   case "$a" in
     --no-demo) run_demo=0 ;;
+    --tests) for_tests=1 ;;
     *) echo "install.sh: unknown option $a" >&2; exit 2 ;;
   esac
 done
@@ -47,6 +51,10 @@ fi
 .venv/bin/python native/build.py --backend "$backend"
 # llama-server from the same sdist and patch series (CPU backend, 2 compile jobs; cached like the wheel)
 .venv/bin/python native/server.py
+if [ "$for_tests" = 1 ]; then
+  # tests/test_layouts.py compares the MQ layout with this build (the same command finds it cached)
+  .venv/bin/python native/build.py --backend cpu --upto 0001 --no-install
+fi
 .venv/bin/statelab doctor
 if [ "$run_demo" = 1 ]; then
   .venv/bin/statelab demo

@@ -202,37 +202,82 @@ def pytest_runtest_call(item):
 
 # ------------------------------------------------------------------ golden runs started early
 
-# The golden speculative campaign runs its timed blocks one at a time on one thread, for minutes:
-# when its test is selected it starts with the session, beside the other tests, and its test
-# compares what it wrote (tests/test_golden.py, golden_output).  While it runs, the tests'
-# contexts default to one thread (STATELAB_THREADS; ggml's threads spin-wait on a busy core).
-BACKGROUND_GOLDEN = ("spec-cpu",)
-_golden_started: dict = {}  # kind -> (process, output folder)
+# The golden runs (tests/test_golden.py) take minutes together, and most tests in process use one
+# core: when their tests are selected they start with the session, beside the other tests, in
+# two chains of one run at a time (the speculative campaign, whose timed blocks run one at a
+# time on one thread; the CI study, the frontier CI panels and the CI study on the batch
+# executor), and each test compares what its run wrote (golden_output); a run its test asks
+# for before the chain reached it runs then, in the test.  While they run, the tests' contexts
+# default to one thread (STATELAB_THREADS; ggml's threads spin-wait on a busy core).
+GOLDEN_RUNS = {  # name -> (kind of tests/golden_outputs.py, more command-line options)
+    "ci": ("ci", ()),
+    "frontier-ci": ("frontier-ci", ()),
+    "spec-cpu": ("spec-cpu", ()),
+    "ci-batch-1": ("ci", ("--executor", "batch", "--lanes", "1")),
+    "ci-batch-2": ("ci", ("--executor", "batch", "--lanes", "2")),
+}
+BACKGROUND_GOLDEN = (("spec-cpu",), ("ci", "frontier-ci", "ci-batch-1", "ci-batch-2"))
+_golden_lock = threading.Lock()
+_golden_started: dict = {}  # name -> (process, output folder), or None: its test runs it
+_golden_state = {"root": None, "stopping": False}
+
+
+def golden_run_name(item) -> str | None:
+    """The golden run a test of tests/test_golden.py compares (its ``kind`` or ``lanes``)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if item.path.name != "test_golden.py":
+        return None
+    if "kind" in params:
+        return params["kind"]
+    return f"ci-batch-{params['lanes']}" if "lanes" in params else None
 
 
 def pytest_collection_finish(session):
     import tempfile
 
-    wanted = {item.callspec.params.get("kind") for item in session.items
-              if item.path.name == "test_golden.py" and hasattr(item, "callspec")}
-    for kind in BACKGROUND_GOLDEN:
-        if kind in wanted and not session.config.option.collectonly:
-            from golden_outputs import start
+    if session.config.option.collectonly:
+        return
+    wanted = {golden_run_name(item) for item in session.items}
+    chains = [[n for n in chain if n in wanted] for chain in BACKGROUND_GOLDEN]
+    chains = [c for c in chains if c]
+    if not chains:
+        return
+    os.environ.setdefault("STATELAB_THREADS", "1")
+    _golden_state["root"] = Path(tempfile.mkdtemp(prefix="statelab-golden-"))
+    for chain in chains:
+        threading.Thread(target=_golden_chain, args=(chain,), name="golden-runs", daemon=True).start()
 
-            os.environ.setdefault("STATELAB_THREADS", "1")
-            out = Path(tempfile.mkdtemp(prefix="statelab-golden-")) / kind
-            _golden_started[kind] = (start(kind, out), out)
+
+def _golden_chain(names: list[str]) -> None:
+    from golden_outputs import start
+
+    for name in names:
+        with _golden_lock:
+            if _golden_state["stopping"] or name in _golden_started:
+                continue
+            kind, extra = GOLDEN_RUNS[name]
+            out = _golden_state["root"] / name / kind
+            try:
+                _golden_started[name] = (start(kind, out, extra=extra), out)
+            except OSError:
+                continue  # its test runs it (and reports what fails)
+            proc = _golden_started[name][0]
+        proc.wait()
 
 
-def golden_output(kind: str, tmp_path: Path) -> Path:
-    """The output folder of the golden run ``kind``: the one started with the session, or a
-    run now into ``tmp_path``."""
+def golden_output(name: str, tmp_path: Path) -> Path:
+    """The output folder of the golden run ``name`` (GOLDEN_RUNS): the one started with the
+    session, or, where none was, a run now into ``tmp_path``."""
     from golden_outputs import finish, run
 
-    if kind in _golden_started:
-        proc, out = _golden_started[kind]
-        return finish(proc, out)
-    return run(kind, tmp_path / kind)
+    with _golden_lock:
+        started = _golden_started.get(name)
+        if started is None:
+            _golden_started[name] = None  # the background chain leaves it to this test
+    if started is not None:
+        return finish(*started)
+    kind, extra = GOLDEN_RUNS[name]
+    return run(kind, tmp_path / kind, extra=extra)
 
 
 def pytest_sessionfinish(session):
@@ -240,7 +285,11 @@ def pytest_sessionfinish(session):
 
     from golden_outputs import stop
 
-    for proc, out in _golden_started.values():
+    with _golden_lock:
+        _golden_state["stopping"] = True
+        started = [s for s in _golden_started.values() if s is not None]
+    for proc, _ in started:
         stop(proc)
-        shutil.rmtree(out.parent, ignore_errors=True)
+    if _golden_state["root"] is not None:
+        shutil.rmtree(_golden_state["root"], ignore_errors=True)
     _golden_started.clear()

@@ -84,6 +84,21 @@ def golden(kind: str) -> dict:
     return strip(json.loads((GOLDEN / f"{kind}.json").read_text()))
 
 
+def assert_golden(out: Path, kind: str, how: str = "") -> None:
+    """The output folder ``out`` of ``kind``, normalised, equals the golden files (``how``: how
+    it was made, for the message), with a diff of the first file that differs."""
+    import difflib
+
+    want, got = golden(kind), normalise(out, kind)
+    assert sorted(got) == sorted(want), f"{kind}{how}: other files: {sorted(set(got) ^ set(want))}"
+    for name in want:
+        if got[name] != want[name]:
+            a = json.dumps(want[name], indent=1, sort_keys=True).splitlines()
+            b = json.dumps(got[name], indent=1, sort_keys=True).splitlines()
+            diff = "\n".join(list(difflib.unified_diff(a, b, "golden", "now", lineterm="", n=2))[:40])
+            raise AssertionError(f"{kind}/{name} differs{how}:\n{diff}")
+
+
 def _json(obj, paths, drop=VOLATILE, times: re.Pattern | None = None):
     if isinstance(obj, dict):
         return {k: _json(v, paths, drop, times) for k, v in sorted(obj.items())

@@ -1,12 +1,13 @@
 """A real distributed run: `dask scheduler` and two `dask worker` processes on 127.0.0.1
 (separate process groups, no LocalCluster), `statelab study run studies/ci.toml --executor
 dask://127.0.0.1:PORT`, one worker killed (its whole process group: nanny, worker and the
-cell it was running) while the study runs, and the same records as the local executor."""
+cell it was running) while the study runs, and the same records, results and report as the
+local executor: the golden files of the CI study (tests/golden/ci.json), which
+tests/test_golden.py holds the local executor to."""
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-import xarray as xr
 
-from statelab.experiments.matrix.results import DETERMINISTIC, load_dataset
+from golden_outputs import assert_golden
+from statelab.experiments.matrix.results import load_dataset
 from statelab.experiments.matrix.spec import load_spec
 from statelab.experiments.matrix.store import CellLog
 
@@ -147,18 +148,10 @@ def test_ci_study_on_a_real_dask_cluster_survives_a_killed_worker(tmp_path):
         # the cell lost with the killed worker was run again elsewhere, once: no duplicate lines
         assert _lines(cells) == 32
 
-        # the same study on the local executor, from the same archived captures and controls
-        local = tmp_path / "local"
-        shutil.copytree(out, local, ignore=shutil.ignore_patterns("cells.jsonl", "results.nc", "report.*",
-                                                                  "runs.jsonl", "figures"))
-        r = subprocess.run(CLI + ["study", "run", str(CI), "--out", str(local), "--workers", "2"], cwd=REPO,
-                           env=_env(), capture_output=True, text=True, timeout=1800)
-        assert r.returncode == 0, r.stderr
-        assert "resumed" in r.stdout and "32 cells run (0 failed)" in r.stdout
-        assert _records(local) == got
-        a, b = load_dataset(local / "results.nc"), load_dataset(out / "results.nc")
-        xr.testing.assert_identical(a[list(DETERMINISTIC)], b[list(DETERMINISTIC)])
-        assert np.isin(b.klass.values, ["B", "C", "D"]).all()
+        # the same records, results and report as the local executor: the golden CI study, which
+        # tests/test_golden.py holds the local executor to (no second run of the study here)
+        assert_golden(out, "ci", " on the Dask cluster")
+        assert np.isin(load_dataset(out / "results.nc").klass.values, ["B", "C", "D"]).all()
         runs = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
         assert runs[-1]["executor"] == f"dask://{addr}" and runs[-1]["failed"] == 0
     finally:

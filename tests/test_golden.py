@@ -3,31 +3,18 @@ give the same records and reports (timings, paths, pids and hosts aside) as the 
 files in tests/golden/, made by ``tests/golden_outputs.py`` from the code before the fork
 server and the experiment engine (commit 040dab2).  Run time in the whole suite on the shared
 2-core machine: ci 36 s, frontier-ci 37 s, spec-cpu 260 s (42 timed blocks run one at a time, on
-one core: it starts with the session and runs beside the other tests, see conftest.py)."""
-import difflib
-import json
-
+one core); the runs start with the session and run beside the other tests (conftest.py)."""
 import pytest
 
 from conftest import golden_output
-from golden_outputs import STUDIES, golden, normalise, run
+from golden_outputs import STUDIES, assert_golden
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.cli]
 
 
-def _diff(want, got, limit: int = 40) -> str:
-    a = json.dumps(want, indent=1, sort_keys=True).splitlines()
-    b = json.dumps(got, indent=1, sort_keys=True).splitlines()
-    return "\n".join(list(difflib.unified_diff(a, b, "golden", "now", lineterm="", n=2))[:limit])
-
-
 @pytest.mark.parametrize("kind", sorted(STUDIES))
 def test_outputs_equal_the_golden_files(kind, tmp_path):
-    want = golden(kind)
-    got = normalise(golden_output(kind, tmp_path), kind)
-    assert sorted(got) == sorted(want), f"{kind}: other files: {sorted(set(got) ^ set(want))}"
-    for name in want:
-        assert got[name] == want[name], f"{kind}/{name} differs:\n{_diff(want[name], got[name])}"
+    assert_golden(golden_output(kind, tmp_path), kind)
 
 
 @pytest.mark.parametrize("lanes", [1, 2])
@@ -36,9 +23,4 @@ def test_batch_executor_gives_the_golden_study(tmp_path, lanes):
     configuration cleared before each cell; with 2 lanes one process per repeat, two cells at
     once in their own contexts) gives the same records and reports as the golden per-cell
     processes, each of which decoded in a new context."""
-    want = golden("ci")
-    got = normalise(run("ci", tmp_path / "ci", extra=("--executor", "batch", "--lanes", str(lanes))), "ci")
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name] == want[name], \
-            f"ci/{name} differs under --executor batch --lanes {lanes}:\n{_diff(want[name], got[name])}"
+    assert_golden(golden_output(f"ci-batch-{lanes}", tmp_path), "ci", f" under --executor batch --lanes {lanes}")

@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -91,11 +92,15 @@ def test_graph_reuse_never_serves_the_wrong_layout(model, base_config, he):
 
 @pytest.fixture(scope="module")
 def unpatched_lib(tmp_path_factory):
-    """The same sdist and build with the patch series up to 0001 (no layout patch)."""
-    r = subprocess.run([sys.executable, str(REPO / "native" / "build.py"), "--upto", "0001", "--no-install"],
-                       capture_output=True, text=True)
+    """The same sdist and CPU build with the patch series up to 0001 (no layout patch): the one
+    `./install.sh --tests` builds in the install step (cached by its build key), else built now."""
+    r = subprocess.run([sys.executable, str(REPO / "native" / "build.py"), "--backend", "cpu", "--upto", "0001",
+                        "--no-install"], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.fail(f"could not build the unpatched library: {r.stderr[-2000:]}")
+    if "[native] building" in r.stdout:
+        warnings.warn("built the library without the layout patches in the test phase: "
+                      "`./install.sh --tests` builds it in the install step")
     wheel = Path(r.stdout.strip().splitlines()[-1])
     d = tmp_path_factory.mktemp("unpatched")
     with zipfile.ZipFile(wheel) as z:
@@ -105,8 +110,8 @@ def unpatched_lib(tmp_path_factory):
     return d / "llama_cpp" / "lib"
 
 
-@pytest.mark.slow  # builds the library with the patch series up to 0001 (cached by source hash)
-@pytest.mark.timeout(3600)  # the build, on 2 cores, when no cached wheel exists
+@pytest.mark.slow  # the library with the patch series up to 0001 (`./install.sh --tests` builds it)
+@pytest.mark.timeout(3600)  # the build, on 2 cores, when install.sh did not build it
 def test_mq_layout_matches_the_unpatched_library(unpatched_lib, cli, cli_subprocess):
     args = ("generate", "-H", "2", "--cap", "24", "--schedule", "ub4", "--json")
     patched = cli(*args)

@@ -19,9 +19,10 @@ import pytest
 import xarray as xr
 
 from conftest import one_line_error, run_cli
-from statelab.experiments.matrix import (DETERMINISTIC, CellLog, StudyDir, StudyError, compile_dataset, compile_study,
+from golden_outputs import assert_golden
+from statelab.experiments.matrix import (CellLog, StudyDir, StudyError, compile_study,
                                          load_dataset, load_spec, run_study)
-from statelab.experiments.matrix.cells import plan, run_cell
+from statelab.experiments.matrix.cells import plan
 from statelab.experiments.executors import check_executor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,7 +151,7 @@ def _group_alive(pgid: int) -> bool:
 
 @pytest.mark.cli
 @pytest.mark.model
-def test_ci_study_killed_and_resumed(tmp_path, model):
+def test_ci_study_killed_and_resumed(tmp_path):
     out = tmp_path / "ci"
     with open(tmp_path / "killed.log", "w") as log:
         proc = subprocess.Popen(CLI + ["study", "run", str(CI), "--out", str(out), "--workers", "2"], cwd=REPO,
@@ -211,12 +212,11 @@ def test_ci_study_killed_and_resumed(tmp_path, model):
     assert (ds.klass.sel(repeat=0) == ds.klass.sel(repeat=1)).all()
     assert (ds.endpoint_sha256.sel(repeat=0) == ds.endpoint_sha256.sel(repeat=1)).all()
 
-    # reference: every cell executed again, uninterrupted, in this process; same Dataset
+    # reference: the study uninterrupted, the golden CI study (tests/test_golden.py holds an
+    # uninterrupted run to it): the same records, controls, captures, results and report
     tasks, withheld = plan(spec_record, sdir, controls)
     assert not withheld and len(tasks) == 32
-    ref = {t["key"]: run_cell(t, model) for t in tasks}
-    ref_ds = compile_dataset(spec_record, ref, [], controls)
-    xr.testing.assert_identical(ds[list(DETERMINISTIC)], ref_ds[list(DETERMINISTIC)])
+    assert_golden(out, "ci", " after the kill and the resume")
 
     # the report recompiles from cells.jsonl alone, to the same Dataset and text
     report = (out / "report.md").read_text()

