@@ -2,7 +2,9 @@
 import numpy as np
 import pytest
 
-from statelab.experiments.campaign import CampaignSpec, mask_lattice, prompt_key, qualify_records, report_markdown, run_campaign
+from statelab.experiments.campaign import CampaignSpec, report_markdown, run_campaign
+from statelab.experiments.masks import mask_lattice
+from statelab.experiments.spec_run import prompt_key, qualify_records
 from statelab.errors import ConfigError, IdentityError
 from statelab.speculative.transaction import (AdaptiveK, Arm, NgramDrafter, PhaseGuard, Runner, SpecConfig, parse_ngram,
                                               qualify)

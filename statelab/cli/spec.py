@@ -41,7 +41,7 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
              cap: int = CapOpt, model: Optional[Path] = ModelOpt, draft: str = DraftOpt, backend: str = BackendOpt,
              threads: int = ThreadsOpt, gate: bool = GateOpt, json_out: Optional[Path] = typer.Option(None, "--json")):
     """Run arms on one prompt in this process; qualify each against R; time qualified arms."""
-    from statelab.experiments.campaign import run_arms
+    from statelab.experiments.spec_run import run_arms
     from statelab.speculative.transaction import SpecConfig
 
     names = [a.strip() for a in arms.split(",") if a.strip()]
@@ -104,7 +104,8 @@ def spec_masks(tasks: str = typer.Option("HumanEval/0,HumanEval/2,HumanEval/4,Hu
     """Phase-mask experiment: which masks reproduce R; the inclusion-minimal ones."""
     from rich.progress import Progress
 
-    from statelab.experiments.campaign import mask_markdown, phase_mask_experiment, resolve_draft, write_masks
+    from statelab.experiments.masks import mask_markdown, phase_mask_experiment, write_masks
+    from statelab.experiments.spec_run import resolve_draft
     from statelab.speculative.transaction import parse_masks
 
     ms = parse_masks(masks)

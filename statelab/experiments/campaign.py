@@ -1,6 +1,7 @@
 """Speculative campaigns: qualification against R, complete request times in fresh worker
 processes, counterbalanced blocks, session-level log contrasts with a percentile bootstrap
-(paper 4.2, S3.1), and the phase-mask experiment (paper 3.5, S1.2)."""
+(paper 4.2, S3.1).  The requests themselves: :mod:`.spec_run`; the phase-mask
+experiment: :mod:`.masks`."""
 from __future__ import annotations
 
 import hashlib
@@ -12,26 +13,19 @@ from pathlib import Path
 import numpy as np
 
 from statelab import prompts
-from statelab.analysis.classes import bootstrap_ratio_interval, first_difference
+from statelab.analysis.classes import bootstrap_ratio_interval
 from statelab.audit.admission import device_refusal
-from statelab.errors import ConfigError, StatelabError
-from statelab.experiments.executors import Unit, execute
+from statelab.errors import ConfigError
 from statelab.experiments.matrix.store import CellLog, first_ok
 from statelab.experiments.records import CAMPAIGN_BLOCK
+from statelab.experiments.spec_run import prompt_key, qualify_records, resolve_draft, run_requests
 from statelab.experiments.specfile import check_keys, read_toml
 from statelab.models import model_sha256, resolve_model
 from statelab.paths import atomic_write_netcdf, atomic_write_text, exclusive_lock
 from statelab.runtime import Model, prepare_backend
 from statelab.runtime.layouts import Layout
 from statelab.speculative import drafters
-from statelab.speculative.transaction import (
-    Arm,
-    Runner,
-    SpecConfig,
-    VerifyCosts,
-    check_mask,
-    qualify,
-)
+from statelab.speculative.transaction import Arm, SpecConfig
 
 DEFAULT_RATIOS = (("C_PQ", "C_QB"), ("C_GS", "C_QB"), ("C_QB", "M0"), ("R", "C_QB"))
 
@@ -157,117 +151,6 @@ def near_spec(prompt_spec, spec_path: Path):
     return prompt_spec
 
 
-def prompt_key(prompt) -> str:
-    """How campaigns identify a prompt: its id and the first 12 hex digits of its text's sha256
-    (a Prompt, or a record with 'prompt' and 'prompt_sha256')."""
-    if isinstance(prompt, dict):
-        return f"{prompt['prompt']}@{prompt['prompt_sha256'][:12]}"
-    return f"{prompt.id}@{prompt.sha256[:12]}"
-
-
-def resolve_draft(target_path, draft: str | None, cache_dir: Path | None = None) -> str | None:
-    """The resolved text of a drafter (:func:`statelab.speculative.drafters.resolve`): what a
-    worker process resolves again without deriving anything; None for no drafter."""
-    d = drafters.resolve(draft, target_path, cache_dir)
-    return None if d is None else d.text
-
-
-def load_runner(model_path, draft: str | None, cfg: SpecConfig, costs: dict | None = None) -> Runner:
-    """The target (and the draft model a model drafter needs) loaded for ``cfg``'s backend."""
-    prepare_backend(cfg.backend)
-    tm = Model(model_path, backend=cfg.backend)
-    d = drafters.resolve(draft, tm.path) if draft else None  # a foreign vocabulary is refused by its header
-    dm = None
-    if d is not None and d.needs_model:
-        dm = tm if d.path is None else Model(d.path, backend=cfg.backend)
-    return Runner(tm, dm, cfg, vocab_checked=True, draft=d, costs=costs)
-
-
-def run_arms(model_path, draft, prompt, names: list[str], cfg: SpecConfig, refused=lambda arm, why: None,
-             gate: bool = False):
-    """Arms on one prompt in this process (``spec run``), R first (every arm is qualified
-    against it, so R runs even when not named); an arm the device would not run
-    (:func:`~statelab.audit.admission.device_refusal`) is reported to ``refused(arm, why)``
-    and left out.  With ``gate`` each drafting arm's verify costs are measured first (on
-    ``prompt``) and its proposals gated by them.  Returns (qualified results, whether a
-    drafter was needed)."""
-    need_draft = any([Arm.parse(a).draft for a in names])  # a list: every name is checked
-    runner = load_runner(model_path, resolve_draft(model_path, draft) if need_draft else None, cfg)
-    names = (["R"] if "R" not in names else []) + list(names)
-    kept = []
-    for a in names:
-        why = device_refusal(runner.tm, Arm.parse(a).layout, cfg.queries)
-        if why:
-            refused(a, why)
-        else:
-            kept.append(a)
-    if gate:
-        runner.costs = {a: runner.measure_verify_costs(a, prompt) for a in kept if Arm.parse(a).draft}
-    return qualify([runner.run(a, prompt, warmup=True) for a in kept]), need_draft
-
-
-def _worker(job: dict) -> dict:
-    """One fresh process: load, then either the gate's calibration (``job["calibrate"]``) or
-    one registered warmup and the block's requests, its session drafter holding the
-    session's earlier outputs (``job["session_outputs"]``)."""
-
-    cfg = SpecConfig(**job["cfg"])
-    costs = {job["arm"]: VerifyCosts.from_dict(job["costs"])} if job.get("costs") else None
-    runner = load_runner(job["model"], job["draft"], cfg, costs)
-    p = prompts.resolve(job["prompt"], job["model"], cfg.backend)
-    if job.get("calibrate"):
-        return {"records": [], "costs": runner.measure_verify_costs(job["arm"], p).as_dict()}
-    for out in job.get("session_outputs") or ():
-        runner.drafter.remember(out)
-    records = []
-    for i in range(job["repeats"]):
-        r = runner.run(job["arm"], p, warmup=(i == 0))
-        rec = r.record()
-        rec.update(session=job["session"], block=job["block"], request=i, spec=job["prompt"], key=prompt_key(p),
-                   session_memory=len(job.get("session_outputs") or ()))
-        records.append(rec)
-    return {"records": records}
-
-
-def block_result(job: dict) -> dict:
-    """What a block's fresh process returns: ``{"block", "records": [...]}`` (a calibration:
-    ``"costs"`` too) or ``{"block", "error"}``."""
-    try:
-        return {"block": job["block"], **_worker(job)}
-    except StatelabError as e:
-        return block_failed(job, str(e))
-
-
-def block_failed(job: dict, error: str) -> dict:
-    return {"block": job["block"], "error": " ".join(str(error).split())}
-
-
-BLOCK = Unit("statelab.experiments.campaign:block_result", block_failed)  # how the executors run a block
-
-
-def run_requests(jobs: list[dict], progress=None, on_block=None, stop=None) -> list[dict]:
-    """Run jobs in the serial mode of the engine's executors (one at a time, in order: timings
-    never overlap), each in a fresh process forked from the pre-imported fork server (no
-    model loaded before the fork; the child loads its own).  on_block(job, records) hears each
-    finished block; stop() -> True ends the run early (after the first block: every run makes
-    progress)."""
-    out = []
-    by_block = {j["block"]: j for j in jobs}
-
-    def on_result(res: dict) -> None:
-        job = by_block[res["block"]]
-        if "error" in res:
-            raise ConfigError(f"block {job['block']} ({job['arm']} on {job['prompt']}): {res['error']}")
-        out.extend(res["records"])
-        if on_block:
-            on_block(job, res)
-        if progress:
-            progress()
-
-    execute(jobs, BLOCK, "local", 1, on_result, stop=stop or (lambda: False))
-    return out
-
-
 def plan(spec: CampaignSpec, draft: str | None) -> list[dict]:
     """Counterbalanced blocks: the arm order reverses in alternate sessions and prompts.  With
     the gate, each session starts with one calibration block per drafting arm (its verify
@@ -314,25 +197,6 @@ def feed(jobs: list[dict], done: dict[str, dict], session: bool) -> None:
         if session:
             j["session_outputs"] = [t for pi, t in sorted(outs.get(key, []), key=lambda x: x[0])
                                     if pi < j["prompt_index"]]
-
-
-def qualify_records(records: list[dict]) -> list[dict]:
-    """Each record qualifies when its complete endpoint equals every R endpoint of its prompt
-    (the same id and text sha256)."""
-
-    refs: dict[str, list] = {}
-    for r in records:
-        r.setdefault("key", prompt_key(r))
-        if r["arm"] == "R":
-            refs.setdefault(r["key"], []).append((tuple(r["tokens"]), r["eog"]))
-    for r in records:
-        ref = refs.get(r["key"])
-        if not ref:
-            r["qualified"], r["first_diff"] = None, None
-            continue
-        r["qualified"] = all((tuple(r["tokens"]), r["eog"]) == x for x in ref)
-        r["first_diff"] = first_difference(list(ref[0][0]), r["tokens"])
-    return records
 
 
 def contrasts(records: list[dict], ratios, threshold: float, seed: int, resamples: int) -> list[dict]:
@@ -628,68 +492,3 @@ def compile_campaign(spec: CampaignSpec, out: Path, jobs: list[dict], done: dict
     md = report_markdown(spec, records, rows, parts, costs)
     atomic_write_text(out / "report.md", md)
     return {"complete": True, "records": records, "contrasts": rows, "breakdown": parts, "costs": costs, "report": md}
-
-
-# -- phase-mask experiment -----------------------------------------------------------
-
-def mask_lattice(passing: dict[int, bool]):
-    """Subset lattice of the 4-bit masks (networkx DiGraph, edge a -> a|bit) and the
-    inclusion-minimal passing masks (no passing proper subset)."""
-    import networkx as nx
-
-    g = nx.DiGraph()
-    for m in range(16):
-        g.add_node(m, passes=passing.get(m))
-        for bit in (1, 2, 4, 8):
-            if not m & bit:
-                g.add_edge(m, m | bit)
-    ok = {m for m, v in passing.items() if v}
-    minimal = sorted(m for m in ok if not any(a in ok for a in nx.ancestors(g, m)))
-    return g, minimal
-
-
-def phase_mask_experiment(model_path, draft, prompts_: list[str], masks=range(16), repeats: int = 2, k: int = 3,
-                          ubatch: int = 4, cap: int = 128, arm: str = "C_QB", backend: str = "cpu",
-                          threads: int = 0, progress=None) -> dict:
-    """Which masks reproduce R on every prompt and repeat; inclusion-minimal ones."""
-    for m in masks:
-        check_mask(m)
-    jobs = []
-    base = asdict(SpecConfig(k=k, ubatch=ubatch, mask=3, cap=cap, backend=backend, threads=threads))
-    for p in prompts_:
-        jobs.append({"session": 0, "block": len(jobs), "prompt": p, "arm": "R", "repeats": 1, "cfg": base,
-                     "model": model_path, "draft": None, "mask": -1})
-        for m in masks:
-            for rep in range(repeats):
-                jobs.append({"session": rep, "block": len(jobs), "prompt": p, "arm": arm, "repeats": 1,
-                             "cfg": {**base, "mask": int(m)}, "model": model_path, "draft": draft, "mask": int(m)})
-    records = run_requests(jobs, progress)
-    for r in records:
-        r["mask"] = jobs[r["block"]]["mask"]  # block = the job's index
-    records = qualify_records(records)
-    table = {}
-    for m in masks:
-        rs = [r for r in records if r.get("mask") == m]
-        table[int(m)] = {p: bool(got) and all(got) for p in prompts_
-                         for got in [[r["qualified"] for r in rs if r["spec"] == p]]}
-    passing = {m: all(v.values()) for m, v in table.items()}
-    _g, minimal = mask_lattice(passing)
-    return {"table": table, "passing": passing, "minimal": minimal, "records": records}
-
-
-def mask_markdown(res: dict, prompts_: list[str]) -> str:
-    bits = lambda m: "".join(n if m & b else "-" for n, b in (("TP", 1), ("TC", 2), ("DP", 4), ("DC", 8)))
-    lines = ["| mask | bits | " + " | ".join(prompts_) + " | all |", "|---|---|" + "---|" * (len(prompts_) + 1)]
-    for m, row in sorted(res["table"].items()):
-        lines.append(f"| {m} | {bits(m)} | " + " | ".join("Y" if row[p] else "n" for p in prompts_)
-                     + f" | {'Y' if res['passing'][m] else 'n'} |")
-    lines.append(f"\ninclusion-minimal passing masks: {res['minimal'] or 'none'}\n")
-    return "\n".join(lines)
-
-
-def write_masks(out, res: dict, md: str) -> None:
-    """A phase-mask experiment into ``out``: ``masks.md`` and ``masks.json`` (records last)."""
-    out = Path(out)
-    atomic_write_text(out / "masks.md", md)
-    atomic_write_text(out / "masks.json", json.dumps({k: v for k, v in res.items() if k != "records"}
-                                                     | {"records": res["records"]}, indent=1, default=str))

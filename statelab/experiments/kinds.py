@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from statelab.experiments import campaign, frontier_panels
+from statelab.experiments import campaign, frontier_panels, spec_run
 from statelab.experiments.executors import Unit
 from statelab.experiments.matrix import cells, results, runner, spec
 
@@ -36,13 +36,14 @@ KINDS = {
     "frontier": Kind("frontier", frontier_panels.load_spec, frontier_panels.plan_units,
                      Unit(frontier_panels.UNIT_FN, frontier_panels.unit_failed), frontier_panels.compile_run,
                      frontier_panels.run_frontier),
-    "campaign": Kind("campaign", campaign.CampaignSpec.load, campaign.plan, campaign.BLOCK, campaign.compile_campaign,
+    "campaign": Kind("campaign", campaign.CampaignSpec.load, campaign.plan, spec_run.BLOCK, campaign.compile_campaign,
                      campaign.run_campaign),
 }
 
 
 # units that are not a kind of their own: follow-up work over a finished study folder
-FOLLOW_UPS = {"findings": "statelab.experiments.findings_run:run_job"}
+FOLLOW_UPS = {"findings": "statelab.experiments.findings_run:run_job",
+              "masks": "statelab.experiments.spec_run:block_result"}
 
 
 def unit_modules() -> list[str]:
