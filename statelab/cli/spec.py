@@ -78,21 +78,19 @@ def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see
                   budget: Optional[float] = typer.Option(None, "--budget", help="start no new block after this "
                                                          "many seconds (run again with the same --out to resume)")):
     """Fresh worker processes, counterbalanced blocks, sessions, bootstrap intervals; resumable."""
-    from rich.progress import Progress
-
-    from statelab.experiments.campaign import CampaignSpec, plan, run_campaign
+    from statelab.experiments.campaign import CampaignSpec, run_campaign
+    from statelab.experiments.matrix.progress import RichReporter
     from statelab.report import campaign_page
 
     spec = CampaignSpec.load(spec_path, draft=draft, k=k, k_max=k_max, cap=cap)
-    with Progress(console=console, transient=True) as prog:
-        task = prog.add_task("blocks", total=len(plan(spec, spec.draft)))
-        res = run_campaign(spec, out, progress=lambda: prog.advance(task), budget_s=budget)
-    if not res["complete"]:
-        console.print(f"incomplete: {res['blocks_done']} of {res['blocks']} blocks in {out}; run the same command "
+    res = run_campaign(spec, out, progress=RichReporter(console, "blocks", transient=True), budget_s=budget)
+    if not res.complete:
+        console.print(f"incomplete: {res.skipped + res.ran} of {res.planned} blocks in {out}; run the same command "
                       "again to continue")
         raise typer.Exit(3)
-    console.print(res["report"], markup=False, highlight=False)
-    console.print(f"results: {out}/results.nc, {out}/report.md, {campaign_page(out, res['contrasts'], spec.threshold)}")
+    console.print(res.outputs["report"], markup=False, highlight=False)
+    console.print(f"results: {out}/results.nc, {out}/report.md, "
+                  f"{campaign_page(out, res.outputs['contrasts'], spec.threshold)}")
 
 
 @spec_app.command("masks")

@@ -4,7 +4,6 @@ processes, counterbalanced blocks, session-level log contrasts with a percentile
 experiment: :mod:`.masks`."""
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -16,12 +15,15 @@ from statelab import prompts
 from statelab.analysis.classes import bootstrap_ratio_interval
 from statelab.audit.admission import device_refusal
 from statelab.errors import ConfigError
-from statelab.experiments.matrix.store import CellLog, first_ok
+from statelab.experiments import engine
+from statelab.experiments.engine import Kind, Summary
+from statelab.experiments.folder import RunFolder, normalized_hash
+from statelab.experiments.log import CellLog, first_ok
 from statelab.experiments.records import CAMPAIGN_BLOCK
-from statelab.experiments.spec_run import prompt_key, qualify_records, resolve_draft, run_requests
+from statelab.experiments.spec_run import BLOCK, prompt_key, qualify_records, resolve_draft
 from statelab.experiments.specfile import check_keys, read_toml
 from statelab.models import model_sha256, resolve_model
-from statelab.paths import atomic_write_netcdf, atomic_write_text, exclusive_lock
+from statelab.paths import atomic_write_netcdf, atomic_write_text
 from statelab.runtime import Model, prepare_backend
 from statelab.runtime.layouts import Layout
 from statelab.speculative import drafters
@@ -408,29 +410,23 @@ ANALYSIS_FIELDS = ("ratios", "threshold", "seed", "resamples", "groups")  # chan
 LATER_FIELDS = {"gate": False, "n_ctx": 1024}  # fields added later: at their default they leave older campaigns' hashes as they were
 
 
-def campaign_hash(spec: CampaignSpec, draft: str | None) -> str:
-    """Identity of what a campaign's blocks measured: the spec's block fields, every prompt's id
-    and text hash, the target model's sha256 and the resolved drafter (analysis-only fields may
-    change between runs of one folder)."""
+SPEC_FORMAT = "statelab.campaign-spec/1"  # OUT/spec.json of a campaign folder
 
 
+def campaign_identity(spec: CampaignSpec, draft: str | None) -> list:
+    """What a campaign's blocks measured: the spec's block fields, every prompt's id and text
+    hash, the target model's sha256 and the resolved drafter (analysis-only fields may change
+    between runs of one folder).  OUT/spec.json holds it as its normal form."""
     fields = {k: v for k, v in asdict(spec).items()
               if k not in ANALYSIS_FIELDS and not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
     fields["prompts"] = [key for _, key in spec.prompt_table()]
     fields["model"] = model_sha256(resolve_model(spec.model))
-    return hashlib.sha256(json.dumps([fields, draft], sort_keys=True).encode()).hexdigest()
+    return [fields, draft]
 
 
-def run_campaign(spec: CampaignSpec, out: Path, progress=None, budget_s: float | None = None) -> dict:
-    """Run (or resume) a campaign in `out`: every finished block is appended to
-    out/blocks.jsonl (flushed, fsynced) and skipped when the same campaign is run again in
-    the same folder; with budget_s, no new block starts after that many seconds and the
-    result says `complete: False` (run again to continue).  Reports are written once every
-    block has run."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(out / ".lock", ConfigError, f"campaign folder {out}", remove="created"):  # one writer: timings never overlap
-        return _run_campaign_locked(spec, out, progress, budget_s)
+def campaign_hash(spec: CampaignSpec, draft: str | None) -> str:
+    """The campaign's spec hash: :func:`campaign_identity` hashed as every kind's normal form."""
+    return normalized_hash(campaign_identity(spec, draft))
 
 
 def refused_arms(spec: CampaignSpec) -> dict[str, str]:
@@ -444,36 +440,84 @@ def refused_arms(spec: CampaignSpec) -> dict[str, str]:
     return {a: w for a, w in why.items() if w}
 
 
-def _run_campaign_locked(spec: CampaignSpec, out: Path, progress, budget_s: float | None) -> dict:
+# -- the campaign as a kind of the engine -------------------------------------------
+
+
+def _identity(run) -> tuple[str, dict]:
+    """Refused arms, the resolved drafter and the blocks; a folder whose blocks are another
+    campaign's is refused in the campaign's own words, and one that holds this campaign's
+    blocks from before campaign folders had a spec.json gets it now."""
+    spec, out = run.spec, run.out
     refused = refused_arms(spec)
     if refused:
         raise ConfigError("; ".join(f"{a}: {w}" for a, w in refused.items()) + ": drop these arms from the campaign")
     draft = resolve_draft(spec.model, spec.draft) if any(Arm.parse(a).draft for a in spec.arms) else None
-    jobs = plan(spec, draft)
-    h = campaign_hash(spec, draft)
+    ident = campaign_identity(spec, draft)
+    h = normalized_hash(ident)
     log = CellLog(out / "blocks.jsonl", CAMPAIGN_BLOCK, error=ConfigError)
     old = log.records()
     if any(r.get("spec_hash") != h for r in old):
         raise ConfigError(f"{out} holds blocks of another campaign (spec or drafter changed); name a new --out")
-    done = first_ok(old, h)
-    session = draft is not None and draft.endswith("+session")
-    feed(jobs, done, session)
-    todo = [j for j in jobs if f"block-{j['block']}" not in done]
+    record = {"format": SPEC_FORMAT, "spec_hash": h, "normalized": ident}
+    if old and not run.folder.spec_path.is_file():
+        atomic_write_text(run.folder.spec_path, json.dumps(record, indent=2, sort_keys=True))
+    jobs = plan(spec, draft)
+    for j in jobs:
+        j["key"] = f"block-{j['block']}"
+    run.state.update(log=log, jobs=jobs, session=draft is not None and draft.endswith("+session"),
+                     done=first_ok(old, h))
+    return h, record
 
-    def on_block(job: dict, res: dict) -> None:
-        entry = {"key": f"block-{job['block']}", "status": "ok", "spec_hash": h, "records": res["records"],
-                 **({"costs": res["costs"]} if "costs" in res else {})}
-        log.append(entry)
-        done[entry["key"]] = entry
-        feed(jobs, done, session)  # the next blocks of the session hear this one (serial: before they start)
 
+def _plan(run) -> tuple[list[dict], list]:
+    feed(run.state["jobs"], run.state["done"], run.state["session"])
+    return run.state["jobs"], []
+
+
+def _accept(run, res: dict) -> dict:
+    jobs, done = run.state["jobs"], run.state["done"]
+    job = jobs[res["block"]]
+    if "error" in res:
+        raise ConfigError(f"block {job['block']} ({job['arm']} on {job['prompt']}): {res['error']}")
+    entry = {"key": job["key"], "status": "ok", "spec_hash": run.spec_hash, "records": res["records"],
+             **({"costs": res["costs"]} if "costs" in res else {})}
+    run.state["log"].append(entry)
+    done[entry["key"]] = entry
+    feed(jobs, done, run.state["session"])  # the next blocks of the session hear this one (serial: before they start)
+    return entry
+
+
+def _stop(run):
+    budget_s = run.options.get("budget_s")
+    if budget_s is None:
+        return None
     t0 = time.monotonic()
-    run_requests(todo, progress, stop=(lambda: time.monotonic() - t0 > budget_s) if budget_s is not None else None,
-                 on_block=on_block)
-    done = first_ok(log.records(), h)
+    return lambda: time.monotonic() - t0 > budget_s
+
+
+def _compile(run) -> dict | None:
+    jobs = run.state["jobs"]
+    done = first_ok(run.state["log"].records(), run.spec_hash)
     if len(done) < len(jobs):
-        return {"complete": False, "blocks_done": len(done), "blocks": len(jobs)}
-    return compile_campaign(spec, out, jobs, done)
+        return None
+    res = compile_campaign(run.spec, run.out, jobs, done)
+    return {**res, "report_path": run.out / "report.md", "results_path": run.out / "results.nc"}
+
+
+CAMPAIGN = Kind(
+    "campaign", "statelab.experiments.spec_run", ConfigError, CampaignSpec.load,
+    folder=lambda spec, out: RunFolder(Path(out), SPEC_FORMAT, ConfigError, "campaign"),
+    identity=_identity, plan=_plan, done=lambda run: run.state["done"], unit=lambda run: BLOCK,
+    accept=_accept, stop=_stop, compile=_compile)
+
+
+def run_campaign(spec: CampaignSpec, out: Path, progress=None, budget_s: float | None = None) -> Summary:
+    """Run (or resume) a campaign in ``out`` through the engine, one block at a time: every
+    finished block is appended to out/blocks.jsonl (flushed, fsynced) and skipped when the same
+    campaign is run again in the same folder; with ``budget_s``, no new block starts after that
+    many seconds and the summary says ``complete`` False (run again to continue).  Reports are
+    written once every block has run (``outputs``: records, contrasts, breakdown, costs, report)."""
+    return engine.run(CAMPAIGN, spec, out, "local", 1, progress=progress, budget_s=budget_s)
 
 
 def compile_campaign(spec: CampaignSpec, out: Path, jobs: list[dict], done: dict[str, dict]) -> dict:
