@@ -21,7 +21,7 @@ import xarray as xr
 
 from statelab.experiments.matrix.results import DETERMINISTIC, load_dataset
 from statelab.experiments.matrix.spec import load_spec
-from statelab.experiments.matrix.store import CellLog
+from statelab.experiments.log import CellLog
 
 REPO = Path(__file__).resolve().parents[1]
 CI = REPO / "studies" / "ci.toml"

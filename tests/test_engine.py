@@ -100,3 +100,22 @@ def test_every_kind_is_registered_with_its_unit_module():
     for k in kinds.KINDS.values():
         assert k.unit(run).fn.partition(":")[0] == k.unit_module, k.name
     assert kinds.unit_modules() == list(dict.fromkeys(k.unit_module for k in kinds.KINDS.values()))
+
+
+@pytest.mark.model
+def test_a_campaign_folder_from_before_spec_json_resumes_and_gets_one(tmp_path):
+    """A campaign folder holding only blocks (written before campaign folders had a spec.json)
+    resumes under the engine's folder check and gets its spec.json, of the blocks' hash."""
+    import json
+
+    from statelab.experiments.campaign import CampaignSpec, run_campaign
+
+    spec = CampaignSpec(prompts=["HumanEval/3"], arms=["R", "C_QB"], sessions=1, repeats=1, cap=6, threads=1,
+                        draft="ngram", ratios=[])
+    spec.validate()
+    first = run_campaign(spec, tmp_path, budget_s=1e-9)  # one block, then the budget is spent
+    (tmp_path / "spec.json").unlink()
+    res = run_campaign(spec, tmp_path)
+    assert res.complete and (res.skipped, res.ran) == (1, 1)
+    assert json.loads((tmp_path / "spec.json").read_text())["spec_hash"] == first.spec_hash == res.spec_hash
+    assert {json.loads(ln)["spec_hash"] for ln in (tmp_path / "blocks.jsonl").read_text().splitlines()} == {res.spec_hash}

@@ -270,7 +270,7 @@ def _identity(run) -> tuple[str, None]:
 
 
 def _prepare(run) -> None:
-    out, spec, kind = run.out, run.state["spec"], run.options["kind"]
+    out, spec, kind = run.out, run.state["spec"], run.options["what"]
     ds = load_results(run.folder.results_path)
     if ds.attrs.get("spec_hash") != spec["spec_hash"]:
         raise FindingsError(f"{out}: results.nc is not compiled from this spec.json; run `statelab study report`")
@@ -305,7 +305,7 @@ def _plan(run) -> tuple[list[dict], list]:
     if opt.get("limit") is not None:
         jobs = jobs[:opt["limit"]]
     norm = spec["normalized"]
-    process = {"kind": opt["kind"], "model_path": spec["model_path"], "backend": norm["backend"],
+    process = {"kind": opt["what"], "model_path": spec["model_path"], "backend": norm["backend"],
                "model_sha256": norm["model_sha256"]}
     if run.lanes > 1:
         wall_deadline = time.time() + (run.state["deadline"] - time.perf_counter())
@@ -363,7 +363,7 @@ def run_findings(out, kind: str, budget_s: float, workers: int = 2, limit: int |
     if not StudyDir(out).results_path.is_file():
         raise FindingsError(f"{out}: no results.nc; run `statelab study run` (or `study report`) first")
     return engine.run(FINDINGS, Path(out), out, "batch" if lanes > 1 else "local", workers, lanes, progress,
-                      kind=kind, budget_s=budget_s, limit=limit, repeats=repeats)
+                      what=kind, budget_s=budget_s, limit=limit, repeats=repeats)
 
 
 if __name__ == "__main__":  # a batch process of targets (run_findings with lanes)

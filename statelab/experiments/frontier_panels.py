@@ -488,6 +488,12 @@ def _accept(run, res: dict) -> dict:
     return {**res, "status": "ok"}
 
 
+def _prepare(run) -> None:
+    """spec.json first (the captures are this spec's), then every needed capture once."""
+    run.claim()
+    _captures(run.spec, run.out, run.options.get("say", lambda msg: None))
+
+
 def _plan(run) -> tuple[list[dict], list]:
     units = plan_units(run.spec, run.out)
     done = {u["key"] for u in units if _unit_done(u)}  # verified trace folders of the captures on disk
@@ -511,7 +517,7 @@ FRONTIER = Kind(
     folder=lambda spec, out: RunFolder(Path(out) if out is not None else Path("runs") / "frontier" / slug(spec.name),
                                        SPEC_FORMAT, FrontierRunError, "frontier"),
     identity=lambda run: (run.spec.hash, run.spec.record()),
-    prepare=lambda run: (run.claim(), _captures(run.spec, run.out, run.options.get("say", lambda msg: None))),
+    prepare=_prepare,
     plan=_plan, done=lambda run: run.state["done"],
     unit=lambda run: Unit(UNIT_FN, unit_failed, {"STATELAB_THREADS": str(run.spec.threads)} if run.spec.threads else {}),
     accept=_accept, compile=_compile)

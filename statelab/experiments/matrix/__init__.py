@@ -13,7 +13,8 @@ into an xarray Dataset and a Markdown report (paper 6.2, S5.1, S5.2).
 from statelab.experiments.matrix.results import DETERMINISTIC, compile_dataset, compile_study, load_dataset
 from statelab.experiments.matrix.runner import MATRIX, default_out, minimal_selection, run_study
 from statelab.experiments.matrix.spec import Direction, StudyError, StudySpec, cell_key, load_spec
-from statelab.experiments.matrix.store import CellLog, StudyDir
+from statelab.experiments.log import CellLog
+from statelab.experiments.matrix.store import StudyDir
 
 __all__ = ["DETERMINISTIC", "MATRIX", "CellLog", "Direction", "StudyDir", "StudyError", "StudySpec",
            "cell_key", "compile_dataset", "compile_study", "default_out", "load_dataset", "load_spec",

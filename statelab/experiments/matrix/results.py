@@ -23,7 +23,8 @@ from statelab.experiments.naming import Direction
 from statelab.analysis.results import load_results
 from statelab.paths import atomic_write_netcdf, atomic_write_text
 from statelab.experiments.matrix.spec import StudyError, cell_key
-from statelab.experiments.matrix.store import StudyDir, first_ok
+from statelab.experiments.log import first_ok
+from statelab.experiments.matrix.store import StudyDir
 from statelab.experiments.records import check_study_cell_against_controls
 from statelab.lab.archive import load_capture
 from statelab.selection import load_selector, select

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from statelab.experiments.folder import RunFolder
-from statelab.experiments.log import CellLog, first_ok  # noqa: F401 (the engine's durable log)
+from statelab.experiments.log import CellLog
 from statelab.experiments.records import STUDY_CELL, STUDY_VALUES
 from statelab.lab.archive import load_capture
 from statelab.paths import atomic_write_text
