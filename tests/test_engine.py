@@ -68,7 +68,7 @@ def test_run_claims_logs_resumes_and_summarises(tmp_path):
     assert (s.kind, s.resumed, s.planned, s.withheld, s.skipped, s.ran, s.failed, s.complete) == \
         ("toy", False, 4, 1, 0, 3, 0, True)
     assert s.outputs["total"] == 0 + 1 + 2 and s.report == out / "units.jsonl" and s.page == out / "page.html"
-    assert s.counts == {"ran": 3, "ok": 3}
+    assert s.counts == {"ok": 3}
     assert prog.calls[0] == ("start", 4, 0, 1) and prog.calls[-1] == ("finish",)
     assert sorted(c[1] for c in prog.calls if c[0] == "advance") == ["u0", "u1", "u2"]
     assert RunFolder(out, "toy/1", ToyError, "toy").read_spec()["spec_hash"] == s.spec_hash

@@ -43,9 +43,9 @@ class Progress:
 
 @dataclass
 class Summary:
-    """What every run returns.  ``counts``: the kept results by status; ``outputs``: what the
-    kind's compile step returned (datasets, tables, paths); ``complete`` False when a budget
-    or a limit left tasks for the next run (then nothing is compiled)."""
+    """What every run returns.  ``counts``: the kept results by status (``ran`` is their sum);
+    ``outputs``: what the kind's compile step returned (datasets, tables, paths); ``complete``
+    False when a budget left tasks for the next run (then nothing is compiled)."""
     kind: str
     out: Path
     spec_hash: str
@@ -150,9 +150,10 @@ class Kind:
 
 def run(kind: Kind, spec, out=None, executor: str = "local", workers: int = 1, lanes: int = 1,
         progress: Progress | None = None, page=None, **options) -> Summary:
-    """Run (or resume) ``spec`` as ``kind`` (a :class:`Kind`, e.g. ``kinds.KINDS[name]``) into ``out``; ``page(out, summary)`` runs once the
-    results are compiled, still holding the folder's lock (the HTML page).  ``options``: the
-    kind's own settings (a time budget, a limit...)."""
+    """Run (or resume) ``spec`` as ``kind`` (a :class:`Kind`, e.g. ``kinds.KINDS[name]``) into
+    ``out``; ``page(out, summary)`` runs once the results are compiled, still holding the
+    folder's lock (the HTML page).  ``options``: the kind's own settings (a time budget, a
+    limit...)."""
     t0 = time.perf_counter()
     prog = progress or Progress()
     spec = kind.load_spec(spec) if isinstance(spec, (str, os.PathLike)) else spec  # spec errors before the folder
@@ -174,19 +175,19 @@ def _execute(kind: Kind, r: Run, t0: float, page) -> Summary:
     done = kind.done(r)
     todo = [t for t in tasks if t["key"] not in done]
     r.progress.start(total=len(tasks) + len(withheld), done=len(tasks) - len(todo), withheld=len(withheld))
-    counts: Counter = Counter()
+    counts: Counter = Counter()  # the kept results by status
 
     def on_result(res: dict) -> None:
         rec = kind.accept(r, res)  # durable before anything else sees it
         if rec is None:
             return
-        counts["ran"] += 1
         counts[rec.get("status", "ok")] += 1
         r.progress.advance(rec)
 
     unit: Unit = kind.unit(r)
     tc = time.perf_counter()
     overhead = {"startup_s": 0.0}
+    ran = lambda: sum(counts.values())  # noqa: E731
     try:
         overhead = execute(todo, unit, r.executor, r.workers, on_result, stop=kind.stop(r), error=kind.error,
                            lanes=r.lanes)
@@ -196,8 +197,8 @@ def _execute(kind: Kind, r: Run, t0: float, page) -> Summary:
         if kind.runs_log:
             with open(r.out / "runs.jsonl", "a") as f:
                 f.write(json.dumps({"started": time.time() - (time.perf_counter() - t0), "executor": r.executor,
-                                    "workers": r.workers, "lanes": r.lanes, "cells_ran": counts["ran"],
-                                    "failed": counts["ran"] - counts["ok"],
+                                    "workers": r.workers, "lanes": r.lanes, "cells_ran": ran(),
+                                    "failed": ran() - counts["ok"],
                                     "cells_seconds": units_seconds, "executor_overhead": overhead,
                                     "pid": os.getpid()}) + "\n")
     r.state.update(todo=todo, tasks=tasks, counts=counts)
@@ -206,7 +207,7 @@ def _execute(kind: Kind, r: Run, t0: float, page) -> Summary:
     outputs = kind.compile(r)
     s = Summary(kind=kind.name, out=r.out, spec_hash=r.spec_hash, resumed=r.resumed,
                 planned=len(tasks) + len(withheld), withheld=len(withheld), skipped=len(tasks) - len(todo),
-                ran=counts["ran"], failed=counts["ran"] - counts["ok"] - counts["skipped"],
+                ran=ran(), failed=ran() - counts["ok"] - counts["skipped"],
                 seconds=time.perf_counter() - t0, units_seconds=units_seconds, complete=outputs is not None,
                 executor_startup_s=overhead.get("startup_s", 0.0), counts=dict(counts), outputs=outputs or {})
     s.report, s.results = s.outputs.get("report_path"), s.outputs.get("results_path")

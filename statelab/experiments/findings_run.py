@@ -333,7 +333,7 @@ def _stop(run):
 
 def _compile(run) -> dict:
     return {"targets": len(run.state["targets"]) * run.options["repeats"], "done_before": len(run.state["done"]),
-            "not_started": len(run.state["todo"]) - run.state["counts"]["ran"]}
+            "not_started": len(run.state["todo"]) - sum(run.state["counts"].values())}
 
 
 FINDINGS = Kind(
