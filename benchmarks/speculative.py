@@ -167,9 +167,10 @@ def main():
         raise SystemExit("--budget needs --out: an unfinished campaign resumes from its folder")
     with tempfile.TemporaryDirectory() as tmp:
         res = run_campaign(spec, Path(a.out or tmp), budget_s=a.budget)
-    if not res["complete"]:
-        print(f"incomplete: {res['blocks_done']} of {res['blocks']} blocks in {a.out}; run the same command again")
+    if not res.complete:
+        print(f"incomplete: {res.skipped + res.ran} of {res.planned} blocks in {a.out}; run the same command again")
         raise SystemExit(3)
+    res = res.outputs  # the compiled campaign: records, contrasts, breakdown, report
     ngram = is_ngram(spec.draft)
     body = f"Command: `.venv/bin/python benchmarks/speculative.py {spec_path}{opts}`  \n{machine()}.\n\n"
     goal = next((r for r in res["contrasts"] if r["ratio"] == f"{GOAL[0]}/{GOAL[1]}"), None)

@@ -30,7 +30,7 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             res = run_campaign(spec, Path(tmp))
         parts.append(f"### {Path(sp).name} (model {spec.model or 'SmolLM2-135M-Instruct Q4_1'})\n\n"
-                     + res["report"].split("\n", 1)[1].replace("## ", "#### "))
+                     + res.outputs["report"].split("\n", 1)[1].replace("## ", "#### "))
     body = (f"Command: `.venv/bin/python benchmarks/weight_repair.py {' '.join(paths)}`  \n{machine()}.\n\n"
             + "\n".join(parts))
     print(body)

@@ -180,8 +180,8 @@ def test_run_campaign_in_process(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text(CAMPAIGN)
     res = run_campaign(CampaignSpec.load(p), tmp_path / "out")
-    _check_campaign(tmp_path / "out", res["records"])
-    assert res["report"] == (tmp_path / "out" / "report.md").read_text()
+    _check_campaign(tmp_path / "out", res.outputs["records"])
+    assert res.outputs["report"] == (tmp_path / "out" / "report.md").read_text()
 
 
 def test_spec_campaign_cli(tmp_path):

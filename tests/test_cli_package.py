@@ -13,7 +13,7 @@ import xarray as xr
 
 from conftest import REPO, run_cli
 from statelab.errors import ConfigError, one_of
-from statelab.experiments.campaign import write_masks
+from statelab.experiments.masks import write_masks
 from statelab.experiments.partition import sweep_schedules
 from statelab.lab.archive import ArchiveError, check_capture_dest
 from statelab.runtime.native import BACKENDS, check_backend

@@ -22,7 +22,7 @@ import pytest
 from golden_outputs import assert_golden
 from statelab.experiments.matrix.results import load_dataset
 from statelab.experiments.matrix.spec import load_spec
-from statelab.experiments.matrix.store import CellLog
+from statelab.experiments.log import CellLog
 
 REPO = Path(__file__).resolve().parents[1]
 CI = REPO / "studies" / "ci.toml"

@@ -200,8 +200,8 @@ def test_breakdown_by_group_and_prompt():
         breakdown,
         breakdown_markdown,
         contrasts,
-        prompt_key,
     )
+    from statelab.experiments.spec_run import prompt_key
 
     spec = CampaignSpec(prompts=["HumanEval/57", "text:hello there"], arms=["R", "C_QB"], draft="ngram:1-8",
                         resamples=200)

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from statelab.analysis import findings as F
+from statelab.experiments.findings_inputs import load_runs
+from statelab.report.findings import write
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,7 +20,8 @@ def _run(arm_hashes: dict, directions: list[str]):
     """A RunData stand-in: one task whose arms have the given (kv, logits) hashes."""
     arms = {a: {"kv": kv, "logits": lg} for a, (kv, lg) in arm_hashes.items()}
     return SimpleNamespace(arms=list(arm_hashes), controls={"T": {"arms": arms}}, name="r",
-                           spec={"normalized": {"directions": directions}})
+                           spec={"normalized": {"directions": directions}},
+                           directions={d: tuple(d.split("->")) for d in directions})
 
 
 def test_identical_arms_fold_and_their_directions_with_them():
@@ -85,7 +88,7 @@ def test_committed_tables_regenerate_from_the_committed_records(tmp_path, kept):
 
     src = REPO / "docs" / "findings" / kept
     shutil.copytree(src / "run", tmp_path / kept / "run")
-    F.write([tmp_path / kept / "run"], tmp_path / kept)
+    write(load_runs([tmp_path / kept / "run"]), tmp_path / kept)
     for name in ("findings.md", "findings.json", "contrasts.md"):
         assert (tmp_path / kept / name).read_bytes() == (src / name).read_bytes(), name
 

@@ -22,7 +22,7 @@ OK = {"key": "p|EARLY|A->R|0", "spec_hash": "h", "status": "ok", "prompt": "p", 
 def _log(tmp_path, *recs) -> CellLog:
     p = tmp_path / "cells.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return CellLog(p, STUDY_CELL, STUDY_VALUES)
+    return CellLog(p, STUDY_CELL, STUDY_VALUES, error=StudyError)
 
 
 def test_valid_records_pass(tmp_path):
@@ -163,7 +163,8 @@ def test_a_campaign_spec_whose_prompt_and_cap_exceed_n_ctx_is_refused_at_load(tm
 
 
 def test_findings_logs_have_their_schema(tmp_path):
-    from statelab.analysis.findings import FindingsInputError, _log
+    from statelab.analysis.findings import FindingsInputError
+    from statelab.experiments.findings_inputs import _log
 
     rec = {"key": "t", "task": "p", "selector": "L0", "direction": "A->R", "spec_hash": "h", "status": "ok",
            "found": True, "layers": [0], "n_layers": 1, "n_positions": 1, "selected_bytes": 4, "share": 0.1,

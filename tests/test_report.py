@@ -171,10 +171,10 @@ def test_campaign_writes_a_forest_plot(tmp_path):
     spec = CampaignSpec(prompts=["HumanEval/2"], arms=["R", "M_QB"], sessions=2, cap=4, threads=1,
                         ratios=[["R", "M_QB"]], resamples=200)
     res = run_campaign(spec, tmp_path)
-    page = campaign_page(tmp_path, res["contrasts"], spec.threshold)
+    page = campaign_page(tmp_path, res.outputs["contrasts"], spec.threshold)
     html = check_page(page.parent, 1)
     assert referenced_images(html) == ["figures/campaign-forest.png"]
-    row = res["contrasts"][0]
+    row = res.outputs["contrasts"][0]
     assert row["ratio"] == "R/M_QB" and row["qualified"]  # QB reproduces R on CPU
     assert "Request-time ratios" in html
 
@@ -184,10 +184,14 @@ def test_demo_and_diff_plot(tmp_path):
     from rich.console import Console
 
     from statelab.experiments import demo
+    from statelab.report import demo_page
 
     out = tmp_path / "demo"
-    rows = demo.run(Console(file=open(tmp_path / "demo.log", "w")), None, "cpu", 8, ["HumanEval/86"], 1, out,
-                    frontier_tasks=["HumanEval/86"], frontier_cap=4, matrix=False)
+    res = demo.run(Console(file=open(tmp_path / "demo.log", "w")), None, "cpu", 8, ["HumanEval/86"], 1, out,
+                   frontier_tasks=["HumanEval/86"], frontier_cap=4, matrix=False,
+                   page=lambda folder, r: demo_page(folder, r.partition, r.matrix, r.frontier))
+    rows = res.rows
+    assert res.page == out / "report.html"
     assert demo.failed_controls(rows, out) == []
     assert demo.failed_controls([dict(rows[0], shams_ok=False)], out) == [
         f"{rows[0]['prompt']} {rows[0]['pair']}: sham differs from the natural endpoint"]

@@ -1,8 +1,12 @@
 """The speculative path on the real model (CPU): transaction, arms, qualification, bad input."""
+import json
+
 import numpy as np
 import pytest
 
-from statelab.experiments.campaign import CampaignSpec, mask_lattice, prompt_key, qualify_records, report_markdown, run_campaign
+from statelab.experiments.campaign import CampaignSpec, report_markdown, run_campaign
+from statelab.experiments.masks import mask_lattice
+from statelab.experiments.spec_run import prompt_key, qualify_records
 from statelab.errors import ConfigError, IdentityError
 from statelab.speculative.transaction import (AdaptiveK, Arm, NgramDrafter, PhaseGuard, Runner, SpecConfig, parse_ngram,
                                               qualify)
@@ -329,9 +333,11 @@ def test_campaign_resumes_from_its_block_log(tmp_path):
                         draft="ngram", ratios=[])
     spec.validate()
     first = run_campaign(spec, tmp_path, budget_s=1e-9)  # one block, then the budget is spent
-    assert first == {"complete": False, "blocks_done": 1, "blocks": 2}
+    assert not first.complete and (first.ran, first.planned, first.outputs) == (1, 2, {})
     res = run_campaign(spec, tmp_path)
-    assert res["complete"] and len(res["records"]) == 2 and all(r["qualified"] for r in res["records"])
+    assert res.complete and (res.skipped, res.ran) == (1, 1)
+    assert len(res.outputs["records"]) == 2 and all(r["qualified"] for r in res.outputs["records"])
+    assert json.loads((tmp_path / "spec.json").read_text())["spec_hash"] == res.spec_hash
     assert len((tmp_path / "blocks.jsonl").read_text().splitlines()) == 2
     spec.cap = 7
     with pytest.raises(ConfigError, match="another campaign"):

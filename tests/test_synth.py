@@ -311,7 +311,7 @@ def test_state_files_export_restore_and_import(ci, cfg, prompt, arms, tmp_path):
 
 
 def test_qb_pq_gs_qualify_against_r(ci_ident, he):
-    from statelab.experiments.campaign import run_arms
+    from statelab.experiments.spec_run import run_arms
     from statelab.speculative.transaction import SpecConfig
 
     refused = []

@@ -15,7 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from statelab.analysis.findings import jsonl as records  # plain or gzipped JSON lines
+from statelab.experiments.findings_inputs import jsonl as records  # plain or gzipped JSON lines
 
 
 def main(argv=None) -> int:

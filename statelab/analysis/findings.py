@@ -1,7 +1,8 @@
 """The paper's findings as tables with their denominators, over one or more study folders
-(paper 6.2, S5.1-S5.3).  No model: everything comes from each folder's spec.json,
-controls, results.nc, archived captures (byte masks, read verified) and the
-``findings/minimal.jsonl`` / ``findings/panels.jsonl`` logs of :mod:`statelab.experiments.findings_run`.
+(paper 6.2, S5.1-S5.3).  No model and no files: each study comes in as a :class:`RunData`
+(its spec.json, controls, results dataset, cell records, the ``findings/*.jsonl`` records of
+:mod:`statelab.experiments.findings_run` and its byte masks), read by
+:mod:`statelab.experiments.findings_inputs`; the files are written by :mod:`statelab.report.findings`.
 
 Tables (each states what it counts and out of what):
 
@@ -21,9 +22,7 @@ Tables (each states what it counts and out of what):
 """
 from __future__ import annotations
 
-import gzip
 import itertools
-import json
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -36,15 +35,7 @@ import xarray as xr
 from statelab.analysis.classes import endpoint_key, selector_lattice
 from statelab.errors import ConfigError
 from statelab.analysis.frontier import canonical_pair
-from statelab.experiments.naming import Direction
-from statelab.experiments.matrix.results import _lattice_masks, compile_dataset, load_dataset
-from statelab.experiments.matrix.store import StudyDir, first_ok
 from statelab.kvstate import KVState
-from statelab.selection import load_selector, select
-from statelab.experiments.matrix.controls import ALL, EMPTY
-from statelab.paths import atomic_path, atomic_write_text, output_lock
-from statelab.report import figures as fig
-from statelab.report.page import write_file
 from statelab.selection import flat_mask_sha256
 
 WINDOW = 32  # outputs: the window reported beside full endpoints (the earlier studies' cap)
@@ -65,6 +56,8 @@ class RunData:
     records: list
     minimal: list = field(default_factory=list)
     panels: list = field(default_factory=list)
+    directions: dict = field(default_factory=dict)  # label -> (donor arm, recipient arm)
+    masks_for: object = None  # task -> {selector name: flat byte mask} on the task's recipient state
 
     @property
     def arms(self) -> list[str]:
@@ -73,61 +66,6 @@ class RunData:
     @property
     def backend(self) -> str:
         return str(self.spec["normalized"]["backend"])
-
-
-def jsonl(path: Path) -> list[dict]:
-    """The JSON lines of ``path`` or, where only that exists, of ``path.gz`` (a kept run
-    folder stores its logs compressed); none if neither exists."""
-    gz = path.with_name(path.name + ".gz")
-    if path.is_file():
-        text = path.read_text()
-    elif gz.is_file():
-        text = gzip.decompress(gz.read_bytes()).decode()
-    else:
-        return []
-    if text and not text.endswith("\n"):  # a line a killed writer left unfinished is not a record
-        text = text[:text.rfind("\n") + 1]
-    try:
-        return [json.loads(ln) for ln in text.splitlines() if ln.strip()]
-    except ValueError:
-        raise FindingsInputError(f"{path}: a line is not valid JSON (the log was edited?)") from None
-
-
-def _log(path: Path, spec_hash: str) -> list[dict]:
-    from statelab.experiments.records import FINDINGS_TARGET, check_record
-
-    out: dict[str, dict] = {}
-    for i, r in enumerate(jsonl(path), 1):
-        check_record(r, FINDINGS_TARGET[path.name.split(".")[0]], path, i, FindingsInputError)
-        if r.get("spec_hash") == spec_hash:
-            out[r["key"]] = r  # the latest record of a target wins (a failed one retried)
-    return list(out.values())
-
-
-def load_run(out) -> RunData:
-    """A study folder: a live one with compiled results (``results.nc`` from this
-    ``spec.json``), or a kept one without captures or results (``spec.json``, ``controls/``,
-    ``cells.jsonl.gz``, ``findings/*.jsonl[.gz]``, as in ``docs/findings/cuda/run``), whose
-    results are compiled from the cell records in memory."""
-    root = Path(out)
-    if not (root / "spec.json").is_file():
-        raise FindingsInputError(f"{root}: not a study folder (no spec.json)")
-    sdir = StudyDir(root)
-    spec = sdir.read_spec()
-    controls = sdir.all_controls()
-    records = jsonl(sdir.cells_path)
-    if sdir.results_path.is_file():
-        ds = load_dataset(sdir.results_path)
-        if ds.attrs.get("spec_hash") != spec["spec_hash"]:
-            raise FindingsInputError(f"{root}: results.nc was compiled from another spec; run `statelab study report`")
-    elif records:
-        ds = compile_dataset(spec, first_ok(records, spec["spec_hash"]), records, controls)
-    else:
-        raise FindingsInputError(f"{root}: no results.nc and no cell records; run `statelab study report {root}` first")
-    return RunData(root, spec["normalized"]["name"], spec, controls, ds,
-                   [r for r in records if r.get("spec_hash") == spec["spec_hash"]],
-                   _log(root / "findings" / "minimal.jsonl", spec["spec_hash"]),
-                   _log(root / "findings" / "panels.jsonl", spec["spec_hash"]))
 
 
 # ---------------------------------------------------------------------- folding
@@ -161,8 +99,8 @@ def direction_folds(run: RunData, folds: dict | None = None) -> dict[str, dict[s
         seen: dict[tuple, str] = {}
         m: dict[str, str | None] = {}
         for d in run.spec["normalized"]["directions"]:
-            dd = Direction.parse(d)
-            key = (rep.get(dd.donor, dd.donor), rep.get(dd.recipient, dd.recipient))
+            donor, recipient = run.directions[d]
+            key = (rep.get(donor, donor), rep.get(recipient, recipient))
             if key[0] == key[1]:
                 m[d] = None
             else:
@@ -232,43 +170,6 @@ def skeleton_state(n_prompt: int, n_layer: int, total_value_bytes: int, itemsize
     return KVState(positions=np.arange(n_prompt, dtype=np.int32),
                    seq_ids=tuple(np.zeros(1, np.int32) for _ in range(n_prompt)), v_trans=v_trans,
                    k=k, v=v, k_types=[1] * n_layer, v_types=[1] * n_layer)
-
-
-def masks_from_records(run: RunData, task: str) -> dict:
-    """Byte masks of the spec's selectors on the skeleton of ``task``'s recipient state, each
-    checked against the selected bytes every cell of the task recorded (the check fails
-    loudly if the skeleton's geometry is not the state's)."""
-    recs = [r for r in run.records if r.get("prompt") == task and r.get("status") == "ok"]
-    if not recs:
-        raise FindingsInputError(f"{run.root}: no cell records of {task} to read its state geometry from")
-    state = skeleton_state(int(run.controls[task]["n_prompt"]), int(run.spec["n_layer"]),
-                           int(recs[0]["total_value_bytes"]))
-    here = Path(__file__).resolve().parents[2] / "selectors"
-    dirs = [here] + [Path(d) for d in run.spec.get("selector_dirs", []) if Path(d).is_dir()]
-    masks, sizes = {}, {}
-    for s in run.spec["normalized"]["selectors"]:
-        src = str(run.spec.get("selector_sources", {}).get(s["name"], ""))
-        # the recorded source is a path of the machine that ran the study: read the same file
-        # from this checkout's selectors/ (its description must be the recorded one)
-        local = here / src.rsplit("/selectors/", 1)[1] if "/selectors/" in src else None
-        sel = load_selector(local if local is not None and local.is_file() else s["name"], search_dirs=dirs)
-        if sel.describe() != s["terms"]:
-            raise FindingsInputError(f"selector {s['name']} changed since the study ran")
-        m = select(sel, state)
-        masks[s["name"]], sizes[s["name"]] = m.to_flat(), int(m.selected_bytes)
-    for ctl in (EMPTY, ALL):
-        masks.setdefault(ctl.name, select(ctl, state).to_flat())
-    bad = [r["key"] for r in recs if r["selector"] in sizes and int(r["selected_bytes"]) != sizes[r["selector"]]]
-    if bad:
-        raise FindingsInputError(f"{task}: the skeleton state does not reproduce the recorded selected bytes "
-                                 f"({len(bad)} cells, e.g. {bad[0]})")
-    return masks
-
-
-def _masks(run: RunData, task: str) -> dict:
-    if StudyDir(run.root).capture_dir(task, Direction.parse(run.spec["normalized"]["directions"][0]).recipient).is_dir():
-        return _lattice_masks(StudyDir(run.root), run.spec, task, run.controls)
-    return masks_from_records(run, task)
 
 
 # ---------------------------------------------------------------------- 1 and 2: natural pairs
@@ -447,7 +348,7 @@ def non_monotone(run: RunData, masks_for=None) -> tuple[list[dict], list[dict]]:
         ctl = run.controls.get(t)
         if ctl is None or not ctl.get("passed"):
             continue
-        masks = masks_for(t) if masks_for else _masks(run, t)
+        masks = (masks_for or run.masks_for)(t)
         names = [str(s) for s in agreed.selector.values]
         for d in agreed.direction.values:
             d = str(d)
@@ -891,139 +792,3 @@ def contrasts_markdown(f: Findings) -> str:
                             ("interaction", "I"), ("eps_inf", "eps_inf"), ("class", "class")],
                            [{k: (f"{v:+.6f}" if isinstance(v, float) else v) for k, v in r.items()}
                             for r in f.contrasts])
-
-
-# ---------------------------------------------------------------------- figures and files
-
-
-def figures(f: Findings) -> dict[str, bytes]:
-    out = {}
-    for run in f.runs:
-        out[f"classes-{run.name}"] = fig.class_overview(agreed_classes(run.ds), title=f"{run.name}: endpoint classes "
-                                                        "(repeat-agreeing; blank: repeats disagree)")
-    recs = [r for run in f.runs for r in _ok_panels(run)]
-    groups = {k: [r["interaction"] for r in recs if panel_class(r) == k] for k in ("active", "degenerate")}
-    out["interaction"] = fig.histograms({f"{k} ({len(v)})": v for k, v in groups.items()}, "interaction I at t*",
-                                        f"frontier panels of class-B cells, independent directions "
-                                        f"({len(recs)} with a frontier)")
-    mins = [r for run in f.runs for r in independent_records(run, run.minimal)
-            if r.get("status") == "ok" and r.get("found")]
-    out["minimal-sizes"] = fig.histogram([np.log10(max(r["selected_bytes"], 1)) for r in mins],
-                                         "log10 bytes of the minimal sufficient selection",
-                                         f"minimal sufficient selections ({len(mins)} searches)")
-    return out
-
-
-def write(runs_dirs, out) -> tuple[Path, Findings]:
-    """Compute the findings of the study folders and write ``OUT/findings.md``,
-    ``OUT/findings.json``, ``OUT/findings.nc`` (per-input natural-pair table) and
-    ``OUT/figures/*.png``; returns the Markdown path."""
-    runs = [load_run(d) for d in runs_dirs]
-    names = [r.name for r in runs]
-    if len(set(names)) != len(names):
-        raise FindingsInputError(f"two folders hold the same study ({', '.join(names)})")
-    f = compute(runs)
-    out = Path(out)
-    _check_out(out, runs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with output_lock(out, FindingsInputError):  # one writer per findings folder
-        _check_out(out, runs)
-        made = not out.exists()
-        out.mkdir(exist_ok=True)
-        try:
-            atomic_write_text(out / MARKER, json.dumps({"format": MARKER_FORMAT}) + "\n")
-        except BaseException:
-            if made:
-                out.rmdir()
-            raise
-        return _write(out, runs, f), f
-
-
-MARKER = ".statelab-findings"  # marks a findings folder as one: only such a folder (or a new one) is written
-MARKER_FORMAT = "statelab.findings-folder/1"
-
-
-def _check_out(out: Path, runs) -> None:
-    """Refuse an output folder that is not a findings folder: an existing file, a folder
-    holding other things (a capture, a study...) without the findings marker, or one of the
-    study folders read."""
-    if not out.exists():
-        return
-    if not out.is_dir() or out.is_symlink():
-        raise FindingsInputError(f"{out} exists and is not a folder; name a new --out")
-    if any(out.resolve() == r.root.resolve() for r in runs):
-        raise FindingsInputError(f"{out} is one of the study folders read; name a new --out")
-    read = {r.root.resolve() for r in runs}  # the kept layout: docs/findings/X/run inside docs/findings/X
-    names = [p.name for p in out.iterdir() if p.resolve() not in read]
-    if not names:
-        return
-    if not (_json_of(out / MARKER).get("format") == MARKER_FORMAT
-            or _LEGACY_KEYS <= set(_json_of(out / "findings.json"))):  # written before the marker existed
-        raise FindingsInputError(f"{out} is not a findings folder (it holds other files and no {MARKER}); "
-                                 "name a new or empty --out")
-
-
-_LEGACY_KEYS = {"runs", "natural", "separability", "minimal", "panels"}
-
-
-def _json_of(path: Path) -> dict:
-    try:
-        d = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        return {}
-    return d if isinstance(d, dict) else {}
-
-
-def _write(out: Path, runs, f) -> Path:
-    md = markdown(f)
-    figs = figures(f)
-    (out / "figures").mkdir(exist_ok=True)
-    for name, png in figs.items():
-        write_file(out / "figures" / f"{name}.png", png)
-    md += "\n## Figures\n\n" + "\n".join(f"![{n}](figures/{n}.png)" for n in figs) + "\n"
-    atomic_write_text(out / "findings.json", json.dumps(f.as_dict(out), indent=1, sort_keys=True, default=float))
-    atomic_write_text(out / "contrasts.md", contrasts_markdown(f))
-    if f.natural:
-        with atomic_path(out / "findings.nc") as tmp:
-            natural_dataset(f).to_netcdf(tmp, engine="netcdf4")
-    for run in runs:  # the studies' own results, compact enough to keep beside the tables
-        with atomic_path(out / f"{run.name}-results.nc") as tmp:
-            compact_results(run.ds, tmp)
-        report = run.root / "report.md"
-        if report.is_file():
-            atomic_write_text(out / f"{run.name}-report.md", report.read_text())
-    atomic_write_text(out / "findings.md", md)
-    return out / "findings.md"
-
-
-def compact_results(ds: xr.Dataset, path) -> None:
-    """``ds`` as NetCDF with every variable deflated (level 9) and string variables stored as
-    fixed-width bytes (HDF5 cannot deflate variable-length strings): the same values, a
-    twentieth of the size for a study's results.nc."""
-    ds = ds.copy()
-    enc = {}
-    for v in ds.data_vars:
-        if ds[v].dtype.kind in "OU":
-            width = max(1, max((len(str(x)) for x in ds[v].values.ravel()), default=1))
-            ds[v] = ds[v].astype(f"S{width}")
-        enc[v] = {"zlib": True, "complevel": 9}
-    ds.to_netcdf(path, engine="netcdf4", encoding=enc)
-
-
-def natural_dataset(f: Findings) -> xr.Dataset:
-    """Per (run, task, arm pair): natural endpoints and states equal, and for the reference
-    pairs of the controls the magnitudes of the state difference (NaN where not measured)."""
-    sep = {(r["run"], r["task"], r["pair"]): r for r in f.separability_inputs}
-    n = len(f.natural)
-    data = {"endpoint_same": np.zeros(n, bool), "state_same": np.zeros(n, bool)}
-    data.update({v: np.full(n, np.nan) for v, _ in MAGNITUDES})
-    for i, r in enumerate(f.natural):
-        data["endpoint_same"][i], data["state_same"][i] = r["endpoint_same"], r["state_same"]
-        s = sep.get((r["run"], r["task"], r["pair"]))
-        for v, _ in MAGNITUDES:
-            if s is not None:
-                data[v][i] = s[v]
-    coords = {"run": ("row", [r["run"] for r in f.natural]), "task": ("row", [r["task"] for r in f.natural]),
-              "pair": ("row", [r["pair"] for r in f.natural])}
-    return xr.Dataset({k: ("row", v) for k, v in data.items()}, coords=coords,
-                      attrs={"format": "statelab.findings/1"})

@@ -54,6 +54,7 @@ import numpy as np
 import xarray as xr
 
 from statelab.errors import StatelabError
+from statelab.analysis.results import load_results  # noqa: F401 (the one results reader, named here too)
 from statelab.paths import atomic_write_netcdf
 
 __all__ = [
@@ -62,7 +63,7 @@ __all__ = [
     "frontier", "frontier_pair", "canonical_pair", "fixed_pair_scores", "four_cell",
     "top1_condition", "analyse_panel", "combine", "canonicalise", "score_repeat_agreement",
     "condition_accounting", "missing_vectors", "missing_summary", "contrast_table_markdown",
-    "plot_scores", "save_results", "load_results",
+    "plot_scores", "save_results", "load_results", "frontier_rows",
 ]
 
 FORMAT_VERSION = 1
@@ -830,15 +831,29 @@ def save_results(ds: xr.Dataset, path: str | os.PathLike) -> Path:
     return atomic_write_netcdf(path, ds)
 
 
-def load_results(path: str | os.PathLike) -> xr.Dataset:
-    """Load a dataset written by :func:`save_results` fully into memory (file closed)."""
-    with xr.open_dataset(path, engine="netcdf4") as f:
-        ds = f.load()
-    for name in list(ds.variables):
-        if ds[name].dtype == object:
-            values = ds[name].values.astype(str)
-            if name in ds.coords:
-                ds = ds.assign_coords({name: (ds[name].dims, values)})
-            else:
-                ds[name] = (ds[name].dims, values, ds[name].attrs)
-    return ds
+def frontier_rows(ds, agreement=None) -> list[dict]:
+    """One row per populated (task, recipient, panel, direction, repeat): t*, pair, the
+    four arms' tokens and scores at t*, additive/joint/interaction, top-1 condition."""
+    rows = []
+    present = ds["model_sha256"].transpose("task", "recipient", "panel", "direction").values != ""
+    for ti, ri, pi, di in np.argwhere(present):
+        for k in range(ds.sizes["repeat"]):
+            c = ds.isel(task=ti, recipient=ri, panel=pi, direction=di, repeat=k)
+            if int(c["n_tokens"].values.max()) < 0:
+                continue
+            ts = int(c["t_star"])
+            row = {"task": str(c["task"].values), "recipient": str(c["recipient"].values),
+                   "panel": str(c["panel"].values), "direction": str(c["direction"].values),
+                   "repeat": int(c["repeat"]), "t_star": ts, "last": int(c["last_position"])}
+            if ts >= 0 and int(c["token_a"]) >= 0:
+                at = c.sel(position=ts)
+                row.update(token_a=int(c["token_a"]), token_b=int(c["token_b"]),
+                           flipped=int(c["pair_sign"]) < 0, tokens=[int(x) for x in at["token"].values],
+                           scores=[float(x) for x in at["score"].values], additive=float(at["additive"]),
+                           joint=float(at["joint"]), interaction=float(at["interaction"]),
+                           eps_inf=float(at["eps_inf"]), top1=bool(at["top1_condition"]))
+            if agreement is not None and ts >= 0:
+                a = agreement.isel(task=ti, recipient=ri, panel=pi, direction=di).sel(position=ts)
+                row["agree"] = bool(a["agree"])
+            rows.append(row)
+    return rows

@@ -30,8 +30,8 @@ def frontier_run_(spec: Path = typer.Argument(..., help="frontier spec (studies/
 
     s = run_frontier(spec, out, workers, say=say, executor=executor)
     print_text(f"{s.out}: {s.ran} worker(s) run, {s.skipped} already done, {s.seconds:.0f} s; "
-               f"{s.n_frontiers} panel repeat(s) with a frontier; repeats agree on {s.agreement[0]} of "
-               f"{s.agreement[1]} compared contrasts")
+               f"{s.outputs['n_frontiers']} panel repeat(s) with a frontier; repeats agree on "
+               f"{s.outputs['agreement'][0]} of {s.outputs['agreement'][1]} compared contrasts")
     print_text(f"report: {s.report}, {frontier_page(s.out)}\nresults: {s.results}")
 
 

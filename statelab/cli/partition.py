@@ -89,10 +89,13 @@ def demo(model: Optional[Path] = ModelOpt, backend: str = BackendOpt, cap: int =
     """The main job: a partition study on a few HumanEval prompts (natural arms, shams,
     whole-KV crosses both ways) with arms that differ on this backend."""
     from statelab.experiments import demo as demo_mod
+    from statelab.report import demo_page
 
-    rows = demo_mod.run(console, model, backend, cap, (tasks or demo_mod.default_tasks(backend)).split(","), threads,
-                        out, frontier_cap=matrix_cap, matrix=matrix, matrix_cap=matrix_cap)
-    bad = demo_mod.failed_controls(rows, out)
+    res = demo_mod.run(console, model, backend, cap, (tasks or demo_mod.default_tasks(backend)).split(","), threads,
+                       out, frontier_cap=matrix_cap, matrix=matrix, matrix_cap=matrix_cap,
+                       page=lambda folder, r: demo_page(folder, r.partition, r.matrix, r.frontier))
+    console.print(f"report: {res.report}, {res.page}")
+    bad = demo_mod.failed_controls(res.rows, out)
     if bad:
         err.print(f"FAILED CONTROL: {'; '.join(bad)}", markup=False, highlight=False)
         raise typer.Exit(1)

@@ -41,7 +41,7 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
              cap: int = CapOpt, model: Optional[Path] = ModelOpt, draft: str = DraftOpt, backend: str = BackendOpt,
              threads: int = ThreadsOpt, gate: bool = GateOpt, json_out: Optional[Path] = typer.Option(None, "--json")):
     """Run arms on one prompt in this process; qualify each against R; time qualified arms."""
-    from statelab.experiments.campaign import run_arms
+    from statelab.experiments.spec_run import run_arms
     from statelab.speculative.transaction import SpecConfig
 
     names = [a.strip() for a in arms.split(",") if a.strip()]
@@ -78,21 +78,19 @@ def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see
                   budget: Optional[float] = typer.Option(None, "--budget", help="start no new block after this "
                                                          "many seconds (run again with the same --out to resume)")):
     """Fresh worker processes, counterbalanced blocks, sessions, bootstrap intervals; resumable."""
-    from rich.progress import Progress
-
-    from statelab.experiments.campaign import CampaignSpec, plan, run_campaign
+    from statelab.experiments.campaign import CampaignSpec, run_campaign
+    from statelab.experiments.matrix.progress import RichReporter
     from statelab.report import campaign_page
 
     spec = CampaignSpec.load(spec_path, draft=draft, k=k, k_max=k_max, cap=cap)
-    with Progress(console=console, transient=True) as prog:
-        task = prog.add_task("blocks", total=len(plan(spec, spec.draft)))
-        res = run_campaign(spec, out, progress=lambda: prog.advance(task), budget_s=budget)
-    if not res["complete"]:
-        console.print(f"incomplete: {res['blocks_done']} of {res['blocks']} blocks in {out}; run the same command "
+    res = run_campaign(spec, out, progress=RichReporter(console, "blocks", transient=True), budget_s=budget)
+    if not res.complete:
+        console.print(f"incomplete: {res.skipped + res.ran} of {res.planned} blocks in {out}; run the same command "
                       "again to continue")
         raise typer.Exit(3)
-    console.print(res["report"], markup=False, highlight=False)
-    console.print(f"results: {out}/results.nc, {out}/report.md, {campaign_page(out, res['contrasts'], spec.threshold)}")
+    console.print(res.outputs["report"], markup=False, highlight=False)
+    console.print(f"results: {out}/results.nc, {out}/report.md, "
+                  f"{campaign_page(out, res.outputs['contrasts'], spec.threshold)}")
 
 
 @spec_app.command("masks")
@@ -104,7 +102,8 @@ def spec_masks(tasks: str = typer.Option("HumanEval/0,HumanEval/2,HumanEval/4,Hu
     """Phase-mask experiment: which masks reproduce R; the inclusion-minimal ones."""
     from rich.progress import Progress
 
-    from statelab.experiments.campaign import mask_markdown, phase_mask_experiment, resolve_draft, write_masks
+    from statelab.experiments.masks import mask_markdown, phase_mask_experiment, write_masks
+    from statelab.experiments.spec_run import resolve_draft
     from statelab.speculative.transaction import parse_masks
 
     ms = parse_masks(masks)

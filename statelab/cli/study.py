@@ -31,9 +31,13 @@ def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)
     a process per batch of cells, each cell in a cleared context)."""
     from statelab.experiments.matrix import run_study
     from statelab.experiments.matrix.progress import RichReporter
+    from statelab.experiments.matrix import StudyDir
     from statelab.report import study_page
 
-    s = run_study(spec, out, executor, workers, RichReporter(err), on_compiled=study_page, lanes=lanes)
+    def page(folder, ds, md):
+        return study_page(folder, ds, md, StudyDir(folder).natural_pairs())
+
+    s = run_study(spec, out, executor, workers, RichReporter(err), on_compiled=page, lanes=lanes)
     console.print(f"{'resumed' if s.resumed else 'ran'} {s.out}: {s.ran} cells run ({s.failed} failed), "
                   f"{s.skipped} already done, {s.withheld} withheld, {s.seconds:.0f} s"
                   + (f", {s.cells_per_minute:.1f} cells/min" if s.ran else ""))
@@ -48,10 +52,12 @@ def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)
 @study_app.command("report")
 def study_report(out: Path = typer.Argument(..., help="a study output folder")):
     """Recompile results.nc and report.md from cells.jsonl (no model needed)."""
-    from statelab.experiments.matrix import compile_study
+    from statelab.experiments.matrix import StudyDir, compile_study
     from statelab.report import study_page
 
-    ds, md = compile_study(out, on_compiled=study_page)  # the page too is written under the folder's lock
+    ds, md = compile_study(out, on_compiled=lambda folder, ds, md: study_page(folder, ds, md,
+                                                                              StudyDir(folder).natural_pairs()))
+    # the page too is written under the folder's lock
     n_ok = int((ds.status.values == "ok").sum())
     console.print(f"{n_ok} of {ds.status.size} cells done -> {out / 'report.md'}, {out / 'report.html'}, "
                   f"{out / 'results.nc'}")
@@ -83,9 +89,10 @@ def study_minimal(spec: Path = typer.Argument(..., help="study spec"),
 def study_findings(runs: list[Path] = typer.Argument(..., help="study output folders (compiled results)"),
                    out: Path = typer.Option(..., "--out", "-o", help="folder for findings.md/.json/.nc and figures")):
     """The paper's claims as tables with denominators, over one or more study folders (no model)."""
-    from statelab.analysis.findings import write
+    from statelab.experiments.findings_inputs import load_runs
+    from statelab.report.findings import write
 
-    path, f = write(runs, out)
+    path, f = write(load_runs(runs), out)
     console.print(f"{len(f.runs)} studies, {len(f.natural)} natural pairs, {len(f.nonmono_pairs)} non-monotone "
                   f"pairs, {f.minimal['searched']} minimal searches, {f.panels['panels']} panels -> {path}")
 
@@ -103,7 +110,8 @@ def study_findings_run(out: Path = typer.Argument(..., help="a finished study fo
     """Minimal sufficient selections or frontier panels for the study's class-B cells (resumable)."""
     from statelab.experiments.findings_run import run_findings
 
-    c = run_findings(out, kind, budget, workers, limit, lanes=lanes, repeats=repeats)
-    console.print(f"{kind}: {c['ran']} run ({c['ok']} ok, {c['skipped']} skipped, {c['failed']} failed), "
+    s = run_findings(out, kind, budget, workers, limit, lanes=lanes, repeats=repeats)
+    c = {"ok": 0, "skipped": 0, **s.counts, **s.outputs}
+    console.print(f"{kind}: {s.ran} run ({c['ok']} ok, {c['skipped']} skipped, {s.failed} failed), "
                   f"{c['done_before']} done before, {c['not_started']} not started, of {c['targets']} class-B cells; "
-                  f"{c['seconds']:.0f} s")
+                  f"{s.seconds:.0f} s")

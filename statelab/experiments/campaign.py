@@ -1,9 +1,9 @@
 """Speculative campaigns: qualification against R, complete request times in fresh worker
 processes, counterbalanced blocks, session-level log contrasts with a percentile bootstrap
-(paper 4.2, S3.1), and the phase-mask experiment (paper 3.5, S1.2)."""
+(paper 4.2, S3.1).  The requests themselves: :mod:`.spec_run`; the phase-mask
+experiment: :mod:`.masks`."""
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -12,26 +12,22 @@ from pathlib import Path
 import numpy as np
 
 from statelab import prompts
-from statelab.analysis.classes import bootstrap_ratio_interval, first_difference
+from statelab.analysis.classes import bootstrap_ratio_interval
 from statelab.audit.admission import device_refusal
-from statelab.errors import ConfigError, StatelabError
-from statelab.experiments.executors import Unit, execute
-from statelab.experiments.matrix.store import CellLog, first_ok
+from statelab.errors import ConfigError
+from statelab.experiments import engine
+from statelab.experiments.engine import Kind, Summary
+from statelab.experiments.folder import RunFolder, normalized_hash
+from statelab.experiments.log import CellLog, first_ok
 from statelab.experiments.records import CAMPAIGN_BLOCK
+from statelab.experiments.spec_run import BLOCK, prompt_key, qualify_records, resolve_draft
 from statelab.experiments.specfile import check_keys, read_toml
 from statelab.models import model_sha256, resolve_model
-from statelab.paths import atomic_write_netcdf, atomic_write_text, exclusive_lock
+from statelab.paths import atomic_write_netcdf, atomic_write_text
 from statelab.runtime import Model, prepare_backend
 from statelab.runtime.layouts import Layout
 from statelab.speculative import drafters
-from statelab.speculative.transaction import (
-    Arm,
-    Runner,
-    SpecConfig,
-    VerifyCosts,
-    check_mask,
-    qualify,
-)
+from statelab.speculative.transaction import Arm, SpecConfig
 
 DEFAULT_RATIOS = (("C_PQ", "C_QB"), ("C_GS", "C_QB"), ("C_QB", "M0"), ("R", "C_QB"))
 
@@ -157,117 +153,6 @@ def near_spec(prompt_spec, spec_path: Path):
     return prompt_spec
 
 
-def prompt_key(prompt) -> str:
-    """How campaigns identify a prompt: its id and the first 12 hex digits of its text's sha256
-    (a Prompt, or a record with 'prompt' and 'prompt_sha256')."""
-    if isinstance(prompt, dict):
-        return f"{prompt['prompt']}@{prompt['prompt_sha256'][:12]}"
-    return f"{prompt.id}@{prompt.sha256[:12]}"
-
-
-def resolve_draft(target_path, draft: str | None, cache_dir: Path | None = None) -> str | None:
-    """The resolved text of a drafter (:func:`statelab.speculative.drafters.resolve`): what a
-    worker process resolves again without deriving anything; None for no drafter."""
-    d = drafters.resolve(draft, target_path, cache_dir)
-    return None if d is None else d.text
-
-
-def load_runner(model_path, draft: str | None, cfg: SpecConfig, costs: dict | None = None) -> Runner:
-    """The target (and the draft model a model drafter needs) loaded for ``cfg``'s backend."""
-    prepare_backend(cfg.backend)
-    tm = Model(model_path, backend=cfg.backend)
-    d = drafters.resolve(draft, tm.path) if draft else None  # a foreign vocabulary is refused by its header
-    dm = None
-    if d is not None and d.needs_model:
-        dm = tm if d.path is None else Model(d.path, backend=cfg.backend)
-    return Runner(tm, dm, cfg, vocab_checked=True, draft=d, costs=costs)
-
-
-def run_arms(model_path, draft, prompt, names: list[str], cfg: SpecConfig, refused=lambda arm, why: None,
-             gate: bool = False):
-    """Arms on one prompt in this process (``spec run``), R first (every arm is qualified
-    against it, so R runs even when not named); an arm the device would not run
-    (:func:`~statelab.audit.admission.device_refusal`) is reported to ``refused(arm, why)``
-    and left out.  With ``gate`` each drafting arm's verify costs are measured first (on
-    ``prompt``) and its proposals gated by them.  Returns (qualified results, whether a
-    drafter was needed)."""
-    need_draft = any([Arm.parse(a).draft for a in names])  # a list: every name is checked
-    runner = load_runner(model_path, resolve_draft(model_path, draft) if need_draft else None, cfg)
-    names = (["R"] if "R" not in names else []) + list(names)
-    kept = []
-    for a in names:
-        why = device_refusal(runner.tm, Arm.parse(a).layout, cfg.queries)
-        if why:
-            refused(a, why)
-        else:
-            kept.append(a)
-    if gate:
-        runner.costs = {a: runner.measure_verify_costs(a, prompt) for a in kept if Arm.parse(a).draft}
-    return qualify([runner.run(a, prompt, warmup=True) for a in kept]), need_draft
-
-
-def _worker(job: dict) -> dict:
-    """One fresh process: load, then either the gate's calibration (``job["calibrate"]``) or
-    one registered warmup and the block's requests, its session drafter holding the
-    session's earlier outputs (``job["session_outputs"]``)."""
-
-    cfg = SpecConfig(**job["cfg"])
-    costs = {job["arm"]: VerifyCosts.from_dict(job["costs"])} if job.get("costs") else None
-    runner = load_runner(job["model"], job["draft"], cfg, costs)
-    p = prompts.resolve(job["prompt"], job["model"], cfg.backend)
-    if job.get("calibrate"):
-        return {"records": [], "costs": runner.measure_verify_costs(job["arm"], p).as_dict()}
-    for out in job.get("session_outputs") or ():
-        runner.drafter.remember(out)
-    records = []
-    for i in range(job["repeats"]):
-        r = runner.run(job["arm"], p, warmup=(i == 0))
-        rec = r.record()
-        rec.update(session=job["session"], block=job["block"], request=i, spec=job["prompt"], key=prompt_key(p),
-                   session_memory=len(job.get("session_outputs") or ()))
-        records.append(rec)
-    return {"records": records}
-
-
-def block_result(job: dict) -> dict:
-    """What a block's fresh process returns: ``{"block", "records": [...]}`` (a calibration:
-    ``"costs"`` too) or ``{"block", "error"}``."""
-    try:
-        return {"block": job["block"], **_worker(job)}
-    except StatelabError as e:
-        return block_failed(job, str(e))
-
-
-def block_failed(job: dict, error: str) -> dict:
-    return {"block": job["block"], "error": " ".join(str(error).split())}
-
-
-BLOCK = Unit("statelab.experiments.campaign:block_result", block_failed)  # how the executors run a block
-
-
-def run_requests(jobs: list[dict], progress=None, on_block=None, stop=None) -> list[dict]:
-    """Run jobs in the serial mode of the engine's executors (one at a time, in order: timings
-    never overlap), each in a fresh process forked from the pre-imported fork server (no
-    model loaded before the fork; the child loads its own).  on_block(job, records) hears each
-    finished block; stop() -> True ends the run early (after the first block: every run makes
-    progress)."""
-    out = []
-    by_block = {j["block"]: j for j in jobs}
-
-    def on_result(res: dict) -> None:
-        job = by_block[res["block"]]
-        if "error" in res:
-            raise ConfigError(f"block {job['block']} ({job['arm']} on {job['prompt']}): {res['error']}")
-        out.extend(res["records"])
-        if on_block:
-            on_block(job, res)
-        if progress:
-            progress()
-
-    execute(jobs, BLOCK, "local", 1, on_result, stop=stop or (lambda: False))
-    return out
-
-
 def plan(spec: CampaignSpec, draft: str | None) -> list[dict]:
     """Counterbalanced blocks: the arm order reverses in alternate sessions and prompts.  With
     the gate, each session starts with one calibration block per drafting arm (its verify
@@ -314,25 +199,6 @@ def feed(jobs: list[dict], done: dict[str, dict], session: bool) -> None:
         if session:
             j["session_outputs"] = [t for pi, t in sorted(outs.get(key, []), key=lambda x: x[0])
                                     if pi < j["prompt_index"]]
-
-
-def qualify_records(records: list[dict]) -> list[dict]:
-    """Each record qualifies when its complete endpoint equals every R endpoint of its prompt
-    (the same id and text sha256)."""
-
-    refs: dict[str, list] = {}
-    for r in records:
-        r.setdefault("key", prompt_key(r))
-        if r["arm"] == "R":
-            refs.setdefault(r["key"], []).append((tuple(r["tokens"]), r["eog"]))
-    for r in records:
-        ref = refs.get(r["key"])
-        if not ref:
-            r["qualified"], r["first_diff"] = None, None
-            continue
-        r["qualified"] = all((tuple(r["tokens"]), r["eog"]) == x for x in ref)
-        r["first_diff"] = first_difference(list(ref[0][0]), r["tokens"])
-    return records
 
 
 def contrasts(records: list[dict], ratios, threshold: float, seed: int, resamples: int) -> list[dict]:
@@ -544,29 +410,23 @@ ANALYSIS_FIELDS = ("ratios", "threshold", "seed", "resamples", "groups")  # chan
 LATER_FIELDS = {"gate": False, "n_ctx": 1024}  # fields added later: at their default they leave older campaigns' hashes as they were
 
 
-def campaign_hash(spec: CampaignSpec, draft: str | None) -> str:
-    """Identity of what a campaign's blocks measured: the spec's block fields, every prompt's id
-    and text hash, the target model's sha256 and the resolved drafter (analysis-only fields may
-    change between runs of one folder)."""
+SPEC_FORMAT = "statelab.campaign-spec/1"  # OUT/spec.json of a campaign folder
 
 
+def campaign_identity(spec: CampaignSpec, draft: str | None) -> list:
+    """What a campaign's blocks measured: the spec's block fields, every prompt's id and text
+    hash, the target model's sha256 and the resolved drafter (analysis-only fields may change
+    between runs of one folder).  OUT/spec.json holds it as its normal form."""
     fields = {k: v for k, v in asdict(spec).items()
               if k not in ANALYSIS_FIELDS and not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
     fields["prompts"] = [key for _, key in spec.prompt_table()]
     fields["model"] = model_sha256(resolve_model(spec.model))
-    return hashlib.sha256(json.dumps([fields, draft], sort_keys=True).encode()).hexdigest()
+    return [fields, draft]
 
 
-def run_campaign(spec: CampaignSpec, out: Path, progress=None, budget_s: float | None = None) -> dict:
-    """Run (or resume) a campaign in `out`: every finished block is appended to
-    out/blocks.jsonl (flushed, fsynced) and skipped when the same campaign is run again in
-    the same folder; with budget_s, no new block starts after that many seconds and the
-    result says `complete: False` (run again to continue).  Reports are written once every
-    block has run."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(out / ".lock", ConfigError, f"campaign folder {out}", remove="created"):  # one writer: timings never overlap
-        return _run_campaign_locked(spec, out, progress, budget_s)
+def campaign_hash(spec: CampaignSpec, draft: str | None) -> str:
+    """The campaign's spec hash: :func:`campaign_identity` hashed as every kind's normal form."""
+    return normalized_hash(campaign_identity(spec, draft))
 
 
 def refused_arms(spec: CampaignSpec) -> dict[str, str]:
@@ -580,36 +440,84 @@ def refused_arms(spec: CampaignSpec) -> dict[str, str]:
     return {a: w for a, w in why.items() if w}
 
 
-def _run_campaign_locked(spec: CampaignSpec, out: Path, progress, budget_s: float | None) -> dict:
+# -- the campaign as a kind of the engine -------------------------------------------
+
+
+def _identity(run) -> tuple[str, dict]:
+    """Refused arms, the resolved drafter and the blocks; a folder whose blocks are another
+    campaign's is refused in the campaign's own words, and one that holds this campaign's
+    blocks from before campaign folders had a spec.json gets it now."""
+    spec, out = run.spec, run.out
     refused = refused_arms(spec)
     if refused:
         raise ConfigError("; ".join(f"{a}: {w}" for a, w in refused.items()) + ": drop these arms from the campaign")
     draft = resolve_draft(spec.model, spec.draft) if any(Arm.parse(a).draft for a in spec.arms) else None
-    jobs = plan(spec, draft)
-    h = campaign_hash(spec, draft)
+    ident = campaign_identity(spec, draft)
+    h = normalized_hash(ident)
     log = CellLog(out / "blocks.jsonl", CAMPAIGN_BLOCK, error=ConfigError)
     old = log.records()
     if any(r.get("spec_hash") != h for r in old):
         raise ConfigError(f"{out} holds blocks of another campaign (spec or drafter changed); name a new --out")
-    done = first_ok(old, h)
-    session = draft is not None and draft.endswith("+session")
-    feed(jobs, done, session)
-    todo = [j for j in jobs if f"block-{j['block']}" not in done]
+    record = {"format": SPEC_FORMAT, "spec_hash": h, "normalized": ident}
+    if old and not run.folder.spec_path.is_file():
+        atomic_write_text(run.folder.spec_path, json.dumps(record, indent=2, sort_keys=True))
+    jobs = plan(spec, draft)
+    for j in jobs:
+        j["key"] = f"block-{j['block']}"
+    run.state.update(log=log, jobs=jobs, session=draft is not None and draft.endswith("+session"),
+                     done=first_ok(old, h))
+    return h, record
 
-    def on_block(job: dict, res: dict) -> None:
-        entry = {"key": f"block-{job['block']}", "status": "ok", "spec_hash": h, "records": res["records"],
-                 **({"costs": res["costs"]} if "costs" in res else {})}
-        log.append(entry)
-        done[entry["key"]] = entry
-        feed(jobs, done, session)  # the next blocks of the session hear this one (serial: before they start)
 
+def _plan(run) -> tuple[list[dict], list]:
+    feed(run.state["jobs"], run.state["done"], run.state["session"])
+    return run.state["jobs"], []
+
+
+def _accept(run, res: dict) -> dict:
+    jobs, done = run.state["jobs"], run.state["done"]
+    job = jobs[res["block"]]
+    if "error" in res:
+        raise ConfigError(f"block {job['block']} ({job['arm']} on {job['prompt']}): {res['error']}")
+    entry = {"key": job["key"], "status": "ok", "spec_hash": run.spec_hash, "records": res["records"],
+             **({"costs": res["costs"]} if "costs" in res else {})}
+    run.state["log"].append(entry)
+    done[entry["key"]] = entry
+    feed(jobs, done, run.state["session"])  # the next blocks of the session hear this one (serial: before they start)
+    return entry
+
+
+def _stop(run):
+    budget_s = run.options.get("budget_s")
+    if budget_s is None:
+        return None
     t0 = time.monotonic()
-    run_requests(todo, progress, stop=(lambda: time.monotonic() - t0 > budget_s) if budget_s is not None else None,
-                 on_block=on_block)
-    done = first_ok(log.records(), h)
+    return lambda: time.monotonic() - t0 > budget_s
+
+
+def _compile(run) -> dict | None:
+    jobs = run.state["jobs"]
+    done = first_ok(run.state["log"].records(), run.spec_hash)
     if len(done) < len(jobs):
-        return {"complete": False, "blocks_done": len(done), "blocks": len(jobs)}
-    return compile_campaign(spec, out, jobs, done)
+        return None
+    res = compile_campaign(run.spec, run.out, jobs, done)
+    return {**res, "report_path": run.out / "report.md", "results_path": run.out / "results.nc"}
+
+
+CAMPAIGN = Kind(
+    "campaign", "statelab.experiments.spec_run", ConfigError, CampaignSpec.load,
+    folder=lambda spec, out: RunFolder(Path(out), SPEC_FORMAT, ConfigError, "campaign"),
+    identity=_identity, plan=_plan, done=lambda run: run.state["done"], unit=lambda run: BLOCK,
+    accept=_accept, stop=_stop, compile=_compile)
+
+
+def run_campaign(spec: CampaignSpec, out: Path, progress=None, budget_s: float | None = None) -> Summary:
+    """Run (or resume) a campaign in ``out`` through the engine, one block at a time: every
+    finished block is appended to out/blocks.jsonl (flushed, fsynced) and skipped when the same
+    campaign is run again in the same folder; with ``budget_s``, no new block starts after that
+    many seconds and the summary says ``complete`` False (run again to continue).  Reports are
+    written once every block has run (``outputs``: records, contrasts, breakdown, costs, report)."""
+    return engine.run(CAMPAIGN, spec, out, "local", 1, progress=progress, budget_s=budget_s)
 
 
 def compile_campaign(spec: CampaignSpec, out: Path, jobs: list[dict], done: dict[str, dict]) -> dict:
@@ -628,68 +536,3 @@ def compile_campaign(spec: CampaignSpec, out: Path, jobs: list[dict], done: dict
     md = report_markdown(spec, records, rows, parts, costs)
     atomic_write_text(out / "report.md", md)
     return {"complete": True, "records": records, "contrasts": rows, "breakdown": parts, "costs": costs, "report": md}
-
-
-# -- phase-mask experiment -----------------------------------------------------------
-
-def mask_lattice(passing: dict[int, bool]):
-    """Subset lattice of the 4-bit masks (networkx DiGraph, edge a -> a|bit) and the
-    inclusion-minimal passing masks (no passing proper subset)."""
-    import networkx as nx
-
-    g = nx.DiGraph()
-    for m in range(16):
-        g.add_node(m, passes=passing.get(m))
-        for bit in (1, 2, 4, 8):
-            if not m & bit:
-                g.add_edge(m, m | bit)
-    ok = {m for m, v in passing.items() if v}
-    minimal = sorted(m for m in ok if not any(a in ok for a in nx.ancestors(g, m)))
-    return g, minimal
-
-
-def phase_mask_experiment(model_path, draft, prompts_: list[str], masks=range(16), repeats: int = 2, k: int = 3,
-                          ubatch: int = 4, cap: int = 128, arm: str = "C_QB", backend: str = "cpu",
-                          threads: int = 0, progress=None) -> dict:
-    """Which masks reproduce R on every prompt and repeat; inclusion-minimal ones."""
-    for m in masks:
-        check_mask(m)
-    jobs = []
-    base = asdict(SpecConfig(k=k, ubatch=ubatch, mask=3, cap=cap, backend=backend, threads=threads))
-    for p in prompts_:
-        jobs.append({"session": 0, "block": len(jobs), "prompt": p, "arm": "R", "repeats": 1, "cfg": base,
-                     "model": model_path, "draft": None, "mask": -1})
-        for m in masks:
-            for rep in range(repeats):
-                jobs.append({"session": rep, "block": len(jobs), "prompt": p, "arm": arm, "repeats": 1,
-                             "cfg": {**base, "mask": int(m)}, "model": model_path, "draft": draft, "mask": int(m)})
-    records = run_requests(jobs, progress)
-    for r in records:
-        r["mask"] = jobs[r["block"]]["mask"]  # block = the job's index
-    records = qualify_records(records)
-    table = {}
-    for m in masks:
-        rs = [r for r in records if r.get("mask") == m]
-        table[int(m)] = {p: bool(got) and all(got) for p in prompts_
-                         for got in [[r["qualified"] for r in rs if r["spec"] == p]]}
-    passing = {m: all(v.values()) for m, v in table.items()}
-    _g, minimal = mask_lattice(passing)
-    return {"table": table, "passing": passing, "minimal": minimal, "records": records}
-
-
-def mask_markdown(res: dict, prompts_: list[str]) -> str:
-    bits = lambda m: "".join(n if m & b else "-" for n, b in (("TP", 1), ("TC", 2), ("DP", 4), ("DC", 8)))
-    lines = ["| mask | bits | " + " | ".join(prompts_) + " | all |", "|---|---|" + "---|" * (len(prompts_) + 1)]
-    for m, row in sorted(res["table"].items()):
-        lines.append(f"| {m} | {bits(m)} | " + " | ".join("Y" if row[p] else "n" for p in prompts_)
-                     + f" | {'Y' if res['passing'][m] else 'n'} |")
-    lines.append(f"\ninclusion-minimal passing masks: {res['minimal'] or 'none'}\n")
-    return "\n".join(lines)
-
-
-def write_masks(out, res: dict, md: str) -> None:
-    """A phase-mask experiment into ``out``: ``masks.md`` and ``masks.json`` (records last)."""
-    out = Path(out)
-    atomic_write_text(out / "masks.md", md)
-    atomic_write_text(out / "masks.json", json.dumps({k: v for k, v in res.items() if k != "records"}
-                                                     | {"records": res["records"]}, indent=1, default=str))

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from statelab import prompts as prompts_mod
-from statelab.analysis.frontier import load_results
+from statelab.analysis.results import load_results
 from statelab.experiments.frontier_panels import frontier_section as section
 from statelab.experiments.matrix.progress import RichReporter
-from statelab.experiments.matrix.results import load_dataset
 from statelab.experiments.matrix.runner import run_study
 from statelab.experiments.matrix.spec import spec_from_data
 from statelab.experiments.partition import partition_dataset, study_prompt
@@ -25,7 +25,6 @@ from statelab.lab.formation import PRESETS
 from statelab.lab.receiver import check_cap
 from statelab.errors import ConfigError
 from statelab.paths import atomic_write_netcdf, atomic_write_text, output_lock
-from statelab.report import demo_page
 from statelab.runtime import ContextConfig, Model, prepare_backend
 
 
@@ -110,14 +109,29 @@ def frontier_section(model, base, prompts, cap: int = 48, console=None, directio
                    results_path=results_path)
 
 
+@dataclass
+class DemoResult:
+    """What the demo measured: the partition rows and the datasets the HTML page draws."""
+    rows: list[dict]
+    partition: object  # xarray.Dataset or None
+    matrix: object
+    frontier: object
+    report: Path
+    page: Path | None = None  # what the caller's ``page(out, result)`` wrote (report.html)
+
+
 def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: int, out: Path,
         frontier_tasks: list[str] | None = None, frontier_cap: int = 48, matrix: bool = True,
-        matrix_tasks: list[str] | None = None, matrix_cap: int = 48):
-    """The demo into ``out``, as its one writer (a second demo on the same folder is refused)."""
+        matrix_tasks: list[str] | None = None, matrix_cap: int = 48, page=None) -> "DemoResult":
+    """The demo into ``out``, as its one writer (a second demo on the same folder is refused);
+    the caller draws the HTML page from the returned data, under the same lock (``page``)."""
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with output_lock(out, ConfigError):
-        return _run(console, model_path, backend, cap, tasks, threads, out, frontier_tasks, frontier_cap, matrix,
-                    matrix_tasks, matrix_cap)
+        res = _run(console, model_path, backend, cap, tasks, threads, out, frontier_tasks, frontier_cap, matrix,
+                   matrix_tasks, matrix_cap)
+        if page is not None:
+            res.page = page(Path(out), res)
+        return res
 
 
 def _run(console, model_path, backend: str, cap: int, tasks: list[str], threads: int, out: Path,
@@ -159,7 +173,7 @@ def _run(console, model_path, backend: str, cap: int, tasks: list[str], threads:
         section, effects = selector_matrix(console, model_path, backend, arms, matrix_tasks or default_matrix_tasks(backend),
                                            matrix_cap, threads, out / "selector-matrix")
         report += "\n" + section
-        matrix_ds = load_dataset(out / "selector-matrix" / "results.nc")
+        matrix_ds = load_results(out / "selector-matrix" / "results.nc")
         if frontier_tasks is None:
             frontier_tasks = effects
     if frontier_tasks:
@@ -167,9 +181,7 @@ def _run(console, model_path, backend: str, cap: int, tasks: list[str], threads:
                                           results_path=out / "frontier.nc")
         frontier_ds = load_results(out / "frontier.nc")
     atomic_write_text(out / "report.md", report)
-    html = demo_page(out, partition, matrix_ds, frontier_ds)
-    console.print(f"report: {out / 'report.md'}, {html}")
-    return rows
+    return DemoResult(rows, partition, matrix_ds, frontier_ds, out / "report.md")
 
 
 def failed_controls(rows: list[dict], out: Path) -> list[str]:
@@ -179,7 +191,7 @@ def failed_controls(rows: list[dict], out: Path) -> list[str]:
            if r.get("shams_ok") is False]
     results = Path(out) / "selector-matrix" / "results.nc"
     if results.is_file():
-        n = int((load_dataset(results).status.values == "withheld").sum())
+        n = int((load_results(results).status.values == "withheld").sum())
         if n:
             bad.append(f"selector matrix: {n} cells withheld after failed controls")
     return bad

@@ -33,20 +33,22 @@ from pathlib import Path
 import numpy as np
 
 from statelab.analysis import frontier as F
-from statelab.analysis.classes import endpoint_class, minimal_sufficient_selection
+from statelab.analysis.results import load_results
 from statelab.errors import ConfigError
+from statelab.experiments import engine
 from statelab.experiments import lanes as batch_lanes
-from statelab.experiments.executors import Unit, execute
+from statelab.experiments.engine import Kind, Summary
+from statelab.experiments.executors import Unit
 from statelab.experiments.lanes import CellCache
-from statelab.experiments.frontier_panels import frontier_rows, run_panels
+from statelab.experiments.frontier_panels import panel_dataset, run_panels
 from statelab.experiments.matrix.cells import plan
-from statelab.experiments.matrix.results import load_dataset
 from statelab.experiments.records import FINDINGS_TARGET
-from statelab.experiments.matrix.store import CellLog, StudyDir
-from statelab.lab.intervene import subset_cross
+from statelab.experiments.log import CellLog
+from statelab.experiments.minimal import box_selector, search_minimal
+from statelab.experiments.matrix.store import StudyDir
 from statelab.lab.receiver import Endpoint
 from statelab.runtime import ContextPool, Model, prepare_backend
-from statelab.selection import Selector, Term, select
+from statelab.selection import select
 
 KINDS = ("minimal", "panels")
 
@@ -109,11 +111,6 @@ def mask_box(selection, state) -> dict | None:
             "positions": [int(pos.min()), int(pos.max()) + 1]}
 
 
-def _box_selector(name: str, layers, component: str, positions):
-    return Selector(name, (Term(component=component, layers=tuple(int(x) for x in layers),
-                                positions=(int(positions[0]), int(positions[1]))),))
-
-
 # ------------------------------------------------------------------ one target's process
 
 
@@ -152,7 +149,7 @@ def _cell_selection(job: dict, env: _Env):
     box = mask_box(sel, recip.state)
     if box is None:
         return sel, None, None
-    boxed = select(_box_selector("box", box["layers"], box["component"], box["positions"]), recip.state)
+    boxed = select(box_selector("box", box["layers"], box["component"], box["positions"]), recip.state)
     return sel, box, boxed
 
 
@@ -165,20 +162,12 @@ def _minimal_job(job: dict, env: _Env) -> dict:
     rec = {k: job[k] for k in ("key", "task", "selector", "direction", "spec_hash")}
     if box is None or not boxed.equals(sel):
         return {**rec, "status": "skipped", "reason": "the selection is not one box of layers x component x positions"}
-    layers = box["layers"]
     comp = box["component"]
-
-    def evaluate(ls, pr) -> bool:
-        # the oracle asks "the donor's endpoint?": decoding stops at the first output that
-        # leaves it (exact: an endpoint that left it cannot be the donor's)
-        s = select(_box_selector("candidate", [layers[i] for i in ls], comp, pr), recip.state)
-        ep, _ = subset_cross(model, donor, recip, s, job["cap"], contexts=env.contexts, follow=nat_d.tokens)
-        return endpoint_class(ep, nat_d, nat_r) == "B"
-
-    # layer indices into the cell's own layer list, so the search stays inside the cell
-    res = minimal_sufficient_selection(evaluate, len(layers), tuple(box["positions"]))
-    final_layers = [layers[i] for i in res.layers]
-    final = select(_box_selector("minimal", final_layers, comp, res.positions), recip.state)
+    # the search stays inside the cell's box; the oracle asks "the donor's endpoint?": decoding
+    # stops at the first output that leaves it (exact: an endpoint that left it cannot be the donor's)
+    m = search_minimal(model, donor, recip, nat_d, nat_r, job["cap"], box["layers"], box["positions"], comp,
+                       contexts=env.contexts, follow=nat_d.tokens)
+    res, final_layers, final = m.result, m.layers, m.selection
     return {**rec, "status": "ok", "found": bool(res.found), "start": box, "start_bytes": int(sel.selected_bytes),
             "layers": final_layers, "component": comp, "positions": list(res.positions),
             "n_layers": len(final_layers), "n_positions": int(res.positions[1] - res.positions[0]),
@@ -211,17 +200,16 @@ def _panel_job(job: dict, env: _Env) -> dict:
     if comps is None:
         return {**rec, "status": "skipped", "reason": "one component at one position: no two-part split"}
     (l1, c1, p1, n1), (l2, c2, p2, n2) = comps
-    s1, s2 = _box_selector(n1, l1, c1, p1), _box_selector(n2, l2, c2, p2)
-    pr = run_panels(model, donor, recip, {"P": (s1, s2)}, job["cap"], contexts=env.contexts)
-    traces = [F.ArmTrace(arm, 0, pr.runs[rid].tokens, pr.runs[rid].trace, model.sha256, recip.prompt_sha256,
-                         trace_id=rid) for arm, rid in pr.arms["P"].items()]
-    ds = F.analyse_panel(job["task"], job["recipient"], job["selector"], job["direction"], traces,
-                         components=(n1, n2))
-    row = frontier_rows(ds)[0]
+    s1, s2 = box_selector(n1, l1, c1, p1), box_selector(n2, l2, c2, p2)
+    panel = job["selector"]  # the panel is named after the cell's selector (its BOTH arm)
+    pr = run_panels(model, donor, recip, {panel: (s1, s2)}, job["cap"], contexts=env.contexts)
+    ds = panel_dataset(pr, panel, job["task"], job["recipient"], job["direction"], (n1, n2), model.sha256,
+                       recip.prompt_sha256)
+    row = F.frontier_rows(ds)[0]
     row.pop("recipient", None)
     row.pop("panel", None)
     return {**rec, "status": "ok", "components": [n1, n2], "box": box,
-            "selected_bytes": {k: v["selected_bytes"] for k, v in pr.imports["P"].items()},
+            "selected_bytes": {k: v["selected_bytes"] for k, v in pr.imports[panel].items()},
             **{k: v for k, v in row.items() if k not in rec}, "steps": step_margins(ds),
             "seconds": time.perf_counter() - t0, "pid": os.getpid()}
 
@@ -275,15 +263,95 @@ JOB = Unit("statelab.experiments.findings_run:run_job", failed_job,
 # ------------------------------------------------------------------ driver
 
 
+def _identity(run) -> tuple[str, None]:
+    """The study folder's own spec (nothing is claimed: the folder is the study's)."""
+    run.state["spec"] = spec = run.folder.read_spec()
+    return spec["spec_hash"], None
+
+
+def _prepare(run) -> None:
+    out, spec, kind = run.out, run.state["spec"], run.options["what"]
+    ds = load_results(run.folder.results_path)
+    if ds.attrs.get("spec_hash") != spec["spec_hash"]:
+        raise FindingsError(f"{out}: results.nc is not compiled from this spec.json; run `statelab study report`")
+    tasks, _ = plan(spec, run.folder, run.folder.all_controls())
+    run.state.update(by_cell={(t["prompt"], t["selector"], t["direction"]): t for t in tasks if t["repeat"] == 0},
+                     targets=class_b_targets(ds), deadline=time.perf_counter() + run.options["budget_s"],
+                     log=CellLog(log_path(out, kind), FINDINGS_TARGET[kind], error=FindingsError))
+
+
+def _done(run) -> set[str]:
+    """Targets this spec's log holds as finished (ok, or skipped as not a box)."""
+    if "done" not in run.state:
+        run.state["done"] = {r["key"] for r in run.state["log"].records()
+                             if r.get("spec_hash") == run.spec_hash and r.get("status") in ("ok", "skipped")}
+    return run.state["done"]
+
+
+def _plan(run) -> tuple[list[dict], list]:
+    """The pending targets, every target's repeat 0 first, then repeat 1, ... (at most
+    ``limit``), with what their processes load; with lanes, the batch each runs in."""
+    spec, done, opt = run.state["spec"], _done(run), run.options
+    jobs = []
+    for r in range(opt["repeats"]):
+        for t in run.state["targets"]:
+            task = run.state["by_cell"].get((t["task"], t["selector"], t["direction"]))
+            if task is None or target_key(t, r) in done:
+                continue
+            jobs.append({**{k: task[k] for k in ("donor_capture", "recipient_capture", "natural_donor",
+                                                 "natural_recipient", "selector_source", "selector_dirs",
+                                                 "recipient", "spec_hash")},
+                         "cap": int(task["cap"]), "key": target_key(t, r), "repeat": r, **t})
+    if opt.get("limit") is not None:
+        jobs = jobs[:opt["limit"]]
+    norm = spec["normalized"]
+    process = {"kind": opt["what"], "model_path": spec["model_path"], "backend": norm["backend"],
+               "model_sha256": norm["model_sha256"]}
+    if run.lanes > 1:
+        wall_deadline = time.time() + (run.state["deadline"] - time.perf_counter())
+        # a repeat's targets run in batch processes of their own: repeats never share a process
+        jobs = [{**j, **process, "group": j["repeat"] * run.workers + i % run.workers,
+                 "deadline": wall_deadline if i else None} for i, j in enumerate(jobs)]
+    else:
+        jobs = [{**j, **process} for j in jobs]
+    return jobs, []
+
+
+def _accept(run, rec: dict) -> dict | None:
+    if rec["status"] == "not_started":  # its lane came free after the deadline
+        return None
+    run.state["log"].append(rec)
+    return rec
+
+
+def _stop(run):
+    if run.lanes > 1:
+        return None
+    deadline = run.state["deadline"]
+    return lambda: time.perf_counter() >= deadline
+
+
+def _compile(run) -> dict:
+    return {"targets": len(run.state["targets"]) * run.options["repeats"], "done_before": len(run.state["done"]),
+            "not_started": len(run.state["todo"]) - sum(run.state["counts"].values())}
+
+
+FINDINGS = Kind(
+    "findings", "statelab.experiments.findings_run", FindingsError, load_spec=Path,
+    folder=lambda out, _out: StudyDir(out), identity=_identity, prepare=_prepare, plan=_plan, done=_done,
+    unit=lambda run: JOB, accept=_accept, stop=_stop, compile=_compile, create=False, batch_ok=True)
+
+
 def run_findings(out, kind: str, budget_s: float, workers: int = 2, limit: int | None = None,
-                 progress=None, lanes: int = 1, repeats: int = 1) -> dict:
+                 progress=None, lanes: int = 1, repeats: int = 1) -> Summary:
     """Run ``kind`` (minimal | panels) for the class-B cells of the study folder ``out``
     within ``budget_s`` seconds of wall time (no new target starts after it); resumes.
     ``lanes`` L > 1: ``workers`` batch processes, each loading the model once and running L
     targets at once on threads, each lane in its own contexts (the GPU shape, as the study's
     ``--lanes``); otherwise one forked process per target, ``workers`` at a time.  ``repeats``
     (panels only): every panel again in other processes, repeat r in batch processes of its own
-    (log key ``...|rR``), for repeat-level contrasts."""
+    (log key ``...|rR``), for repeat-level contrasts.  The summary's ``counts`` are the results
+    by status; ``outputs``: targets, done_before, not_started."""
     if kind not in KINDS:
         raise FindingsError(f"unknown findings kind {kind!r}: use {' or '.join(KINDS)}")
     if not budget_s > 0 or workers < 1 or lanes < 1 or repeats < 1:
@@ -292,60 +360,10 @@ def run_findings(out, kind: str, budget_s: float, workers: int = 2, limit: int |
         raise FindingsError("--repeats is for panels (a minimal search is one process's answer)")
     if limit is not None and limit < 0:
         raise FindingsError(f"--limit must be 0 or more targets, got {limit}")
-    sdir = StudyDir(out)
-    if not sdir.results_path.is_file():
+    if not StudyDir(out).results_path.is_file():
         raise FindingsError(f"{out}: no results.nc; run `statelab study run` (or `study report`) first")
-    t0 = time.perf_counter()
-    with sdir.writer(create=False):
-        spec = sdir.read_spec()
-        ds = load_dataset(sdir.results_path)
-        if ds.attrs.get("spec_hash") != spec["spec_hash"]:
-            raise FindingsError(f"{out}: results.nc is not compiled from this spec.json; run `statelab study report`")
-        tasks, _ = plan(spec, sdir, sdir.all_controls())
-        by_cell = {(t["prompt"], t["selector"], t["direction"]): t for t in tasks if t["repeat"] == 0}
-        targets = class_b_targets(ds)
-        log = CellLog(log_path(out, kind), FINDINGS_TARGET[kind], error=FindingsError)
-        done = {r["key"] for r in log.records() if r.get("spec_hash") == spec["spec_hash"]
-                and r.get("status") in ("ok", "skipped")}
-        jobs = []
-        for r in range(repeats):  # every target's repeat 0 first, then repeat 1, ...
-            for t in targets:
-                task = by_cell.get((t["task"], t["selector"], t["direction"]))
-                if task is None or target_key(t, r) in done:
-                    continue
-                jobs.append({**{k: task[k] for k in ("donor_capture", "recipient_capture", "natural_donor",
-                                                     "natural_recipient", "selector_source", "selector_dirs",
-                                                     "recipient", "spec_hash")},
-                             "cap": int(task["cap"]), "key": target_key(t, r), "repeat": r, **t})
-        if limit is not None:
-            jobs = jobs[:limit]
-        counts = {"targets": len(targets) * repeats, "done_before": len(done), "ran": 0, "ok": 0, "skipped": 0, "failed": 0}
-        deadline = t0 + budget_s
-        norm = spec["normalized"]
-        process = {"kind": kind, "model_path": spec["model_path"], "backend": norm["backend"],
-                   "model_sha256": norm["model_sha256"]}
-
-        def on_result(rec: dict) -> None:
-            if rec["status"] == "not_started":  # its lane came free after the deadline
-                return
-            log.append(rec)
-            counts["ran"] += 1
-            counts[rec["status"]] += 1
-            if progress is not None:
-                progress(rec)
-
-        if jobs and lanes > 1:
-            wall_deadline = time.time() + (deadline - time.perf_counter())
-            # a repeat's targets run in batch processes of their own: repeats never share a process
-            execute([{**j, **process, "group": j["repeat"] * workers + i % workers,
-                      "deadline": wall_deadline if i else None} for i, j in enumerate(jobs)],
-                    JOB, "batch", workers, on_result, error=FindingsError, lanes=lanes)
-        elif jobs:
-            execute([{**j, **process} for j in jobs], JOB, "local", workers, on_result,
-                    stop=lambda: time.perf_counter() >= deadline, error=FindingsError)
-        counts["not_started"] = len(jobs) - counts["ran"]
-        counts["seconds"] = time.perf_counter() - t0
-        return counts
+    return engine.run(FINDINGS, Path(out), out, "batch" if lanes > 1 else "local", workers, lanes, progress,
+                      what=kind, budget_s=budget_s, limit=limit, repeats=repeats)
 
 
 if __name__ == "__main__":  # a batch process of targets (run_findings with lanes)

@@ -62,9 +62,12 @@ import numpy as np
 from statelab.analysis import frontier as F
 from statelab.experiments import specfile as sf
 from statelab.analysis.classes import first_difference
+from statelab.analysis.frontier import frontier_rows
 from statelab.lab.archive import ArchiveError, load_capture, read_verified, save_capture, write_files_atomic
 from statelab.errors import ConfigError, IdentityError, StatelabError
-from statelab.experiments.executors import Unit, check_executor, execute, probe_executor
+from statelab.experiments import engine
+from statelab.experiments.engine import Kind, Summary
+from statelab.experiments.executors import Unit
 from statelab.experiments.folder import RunFolder
 from statelab.experiments.naming import Direction, parse_directions, slug
 from statelab.lab.formation import PRESETS
@@ -265,6 +268,16 @@ def run_panels(model, donor, recipient, panels: dict, cap: int, share_identical:
     return PanelRuns(runs, run_info, arms, imports)
 
 
+def panel_dataset(pr: PanelRuns, panel: str, task: str, recipient: str, direction: str, components,
+                  model_sha256: str, prompt_sha256: str, trace_id=lambda rid: rid):
+    """One panel of :func:`run_panels`' runs (one process repeat) analysed by
+    :func:`statelab.analysis.frontier.analyse_panel`: the in-process path of the demo and the
+    findings follow-ups (a frontier run analyses its stored traces, :func:`analyse_run`)."""
+    traces = [F.ArmTrace(arm, 0, pr.runs[rid].tokens, pr.runs[rid].trace, model_sha256, prompt_sha256,
+                         trace_id=trace_id(rid)) for arm, rid in pr.arms[panel].items()]
+    return F.analyse_panel(task, recipient, panel, direction, traces, components=tuple(components))
+
+
 def _npz_bytes(tokens: np.ndarray, logits: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.savez_compressed(buf, tokens=np.asarray(tokens, np.int32), logits=np.asarray(logits, np.float32))
@@ -385,18 +398,6 @@ def unit_result(task: dict) -> dict:
 # ---------------------------------------------------------------------------------- run
 
 
-@dataclass
-class RunSummary:
-    out: Path
-    ran: int
-    skipped: int
-    seconds: float
-    report: Path
-    results: Path
-    n_frontiers: int
-    agreement: tuple[int, int]
-
-
 def _capture_kv_sha(folder: str) -> str | None:
     try:
         return json.loads((Path(folder) / "manifest.json").read_text())["hashes"]["kv"]
@@ -473,16 +474,60 @@ def unit_failed(task: dict, error: str) -> dict:
     return {"key": task["key"], "error": " ".join(str(error).split())}
 
 
-def run_frontier(spec_path, out=None, workers: int = 1, say=lambda msg: None, executor: str = "local") -> RunSummary:
-    """Run (or resume) a frontier spec: captures once, then one fresh worker process per
-    (task, direction, repeat), then :func:`analyse_run` and the outputs."""
-    t0 = time.perf_counter()
-    check_executor(executor, workers, FrontierRunError)  # batch: study cells only, refused here
-    spec = load_spec(spec_path)
-    folder = RunFolder(Path(out) if out is not None else Path("runs") / "frontier" / slug(spec.name), SPEC_FORMAT,
-                       FrontierRunError, "frontier")
-    with folder.writer():  # one writer per folder
-        return _run_frontier_locked(spec, folder, workers, say, t0, executor)
+def _accept(run, res: dict) -> dict:
+    """A unit's trace folder is its durable record (written by the unit itself); here only
+    the line the caller hears and the failure, kept for the end of the run."""
+    say, todo = run.options.get("say", lambda msg: None), run.state["todo_n"]
+    run.state["seen"] += 1
+    where = f"[{run.state['seen']}/{todo}] {res['key']}"
+    if "error" in res:
+        run.state["failed"].append((res["key"], res["error"]))
+        say(f"{where}: FAILED {res['error']}")
+        return {"key": res["key"], "status": "failed", "error": res["error"]}
+    say(f"{where}: {res['runs']} runs in process {res['pid']} ({res['timing']['subprocess_s']:.1f} s)")
+    return {**res, "status": "ok"}
+
+
+def _prepare(run) -> None:
+    """spec.json first (the captures are this spec's), then every needed capture once."""
+    run.claim()
+    _captures(run.spec, run.out, run.options.get("say", lambda msg: None))
+
+
+def _plan(run) -> tuple[list[dict], list]:
+    units = plan_units(run.spec, run.out)
+    done = {u["key"] for u in units if _unit_done(u)}  # verified trace folders of the captures on disk
+    run.state.update(failed=[], seen=0, done=done, todo_n=len(units) - len(done))
+    return units, []
+
+
+def _compile(run) -> dict:
+    failed = run.state["failed"]
+    if failed:
+        key, error = failed[0]
+        raise FrontierRunError(f"{len(failed)} of {run.state['todo_n']} worker(s) failed; first {key}: {error}")
+    result, paths = compile_run(run.out)
+    agree = result.agreement.attrs
+    return {"analysis": result, **paths, "report_path": paths["report"], "results_path": paths["results"],
+            "n_frontiers": result.n_frontiers, "agreement": (int(agree["n_agree"]), int(agree["n_compared"]))}
+
+
+FRONTIER = Kind(
+    "frontier", "statelab.experiments.frontier_panels", FrontierRunError, load_spec,
+    folder=lambda spec, out: RunFolder(Path(out) if out is not None else Path("runs") / "frontier" / slug(spec.name),
+                                       SPEC_FORMAT, FrontierRunError, "frontier"),
+    identity=lambda run: (run.spec.hash, run.spec.record()),
+    prepare=_prepare,
+    plan=_plan, done=lambda run: run.state["done"],
+    unit=lambda run: Unit(UNIT_FN, unit_failed, {"STATELAB_THREADS": str(run.spec.threads)} if run.spec.threads else {}),
+    accept=_accept, compile=_compile)
+
+
+def run_frontier(spec_path, out=None, workers: int = 1, say=lambda msg: None, executor: str = "local") -> Summary:
+    """Run (or resume) a frontier spec through the engine: captures once (the kind's
+    preparation), then one fresh worker process per (task, direction, repeat), then
+    :func:`analyse_run` and the outputs."""
+    return engine.run(FRONTIER, spec_path, out, executor, workers, say=say)
 
 
 def reanalyse(out, page=None) -> tuple["Analysis", dict, object]:
@@ -496,36 +541,6 @@ def reanalyse(out, page=None) -> tuple["Analysis", dict, object]:
         r = analyse_run(out)
         paths = write_outputs(out, r)
         return r, paths, None if page is None else page(out, r.ds)
-
-
-def _run_frontier_locked(spec, folder: RunFolder, workers: int, say, t0: float, executor: str) -> RunSummary:
-    out = folder.root
-    folder.claim(spec.hash, spec.record())
-    probe_executor(executor, FrontierRunError)
-    _captures(spec, out, say)
-
-    units = plan_units(spec, out)
-    todo = [u for u in units if not _unit_done(u)]
-    unit = Unit(UNIT_FN, unit_failed, {"STATELAB_THREADS": str(spec.threads)} if spec.threads else {})
-    failed, seen = [], []
-
-    def on_result(res: dict) -> None:
-        seen.append(res["key"])
-        where = f"[{len(seen)}/{len(todo)}] {res['key']}"
-        if "error" in res:
-            failed.append((res["key"], res["error"]))
-            say(f"{where}: FAILED {res['error']}")
-        else:
-            say(f"{where}: {res['runs']} runs in process {res['pid']} ({res['timing']['subprocess_s']:.1f} s)")
-
-    execute(todo, unit, executor, workers, on_result, error=FrontierRunError)
-    if failed:
-        key, error = failed[0]
-        raise FrontierRunError(f"{len(failed)} of {len(todo)} worker(s) failed; first {key}: {error}")
-    result, paths = compile_run(out)
-    agree = result.agreement.attrs
-    return RunSummary(out, len(todo), len(units) - len(todo), time.perf_counter() - t0, paths["report"],
-                      paths["results"], result.n_frontiers, (int(agree["n_agree"]), int(agree["n_compared"])))
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -637,34 +652,6 @@ def analyse_run(out) -> Analysis:
 
 
 # ------------------------------------------------------------------------------ reports
-
-
-def frontier_rows(ds, agreement=None) -> list[dict]:
-    """One row per populated (task, recipient, panel, direction, repeat): t*, pair, the
-    four arms' tokens and scores at t*, additive/joint/interaction, top-1 condition."""
-    rows = []
-    present = ds["model_sha256"].transpose("task", "recipient", "panel", "direction").values != ""
-    for ti, ri, pi, di in np.argwhere(present):
-        for k in range(ds.sizes["repeat"]):
-            c = ds.isel(task=ti, recipient=ri, panel=pi, direction=di, repeat=k)
-            if int(c["n_tokens"].values.max()) < 0:
-                continue
-            ts = int(c["t_star"])
-            row = {"task": str(c["task"].values), "recipient": str(c["recipient"].values),
-                   "panel": str(c["panel"].values), "direction": str(c["direction"].values),
-                   "repeat": int(c["repeat"]), "t_star": ts, "last": int(c["last_position"])}
-            if ts >= 0 and int(c["token_a"]) >= 0:
-                at = c.sel(position=ts)
-                row.update(token_a=int(c["token_a"]), token_b=int(c["token_b"]),
-                           flipped=int(c["pair_sign"]) < 0, tokens=[int(x) for x in at["token"].values],
-                           scores=[float(x) for x in at["score"].values], additive=float(at["additive"]),
-                           joint=float(at["joint"]), interaction=float(at["interaction"]),
-                           eps_inf=float(at["eps_inf"]), top1=bool(at["top1_condition"]))
-            if agreement is not None and ts >= 0:
-                a = agreement.isel(task=ti, recipient=ri, panel=pi, direction=di).sel(position=ts)
-                row["agree"] = bool(a["agree"])
-            rows.append(row)
-    return rows
 
 
 def _f(x: float) -> str:
@@ -833,10 +820,9 @@ def frontier_section(model, base_config, prompts: list, cap: int = 48, arms: dic
                 notes.append(f"- FAILED CONTROL {p.id} {donor}->{recip}: the EMPTY arm differs from the natural "
                              "endpoint")
             for pname in panels:
-                traces = [F.ArmTrace(arm, 0, pr.runs[rid].tokens, pr.runs[rid].trace, model.sha256, p.sha256,
-                                     trace_id=f"{p.id}/{donor}->{recip}/{rid}") for arm, rid in pr.arms[pname].items()]
-                datasets.append(F.analyse_panel(p.id, recip, pname, f"{donor}->{recip}", traces,
-                                                components=DEFAULT_PANELS[pname]))
+                datasets.append(panel_dataset(pr, pname, p.id, recip, f"{donor}->{recip}", DEFAULT_PANELS[pname],
+                                              model.sha256, p.sha256,
+                                              trace_id=lambda rid: f"{p.id}/{donor}->{recip}/{rid}"))
                 if len(set(pr.arms[pname].values())) == 1:
                     notes.append(f"- {p.id} {donor}->{recip} {pname}: every import is byte-identical to the "
                                  f"recipient's KV (changed bytes {pr.imports[pname]['BOTH']['changed_bytes']}): "

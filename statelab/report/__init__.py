@@ -11,13 +11,10 @@ from pathlib import Path
 import xarray as xr
 
 from statelab.analysis.classes import kv_profile_dataset
-from statelab.analysis.frontier import load_results
+from statelab.analysis.frontier import frontier_rows
+from statelab.analysis.results import load_results
 from statelab.errors import StatelabError
-from statelab.experiments.frontier_panels import frontier_rows
-from statelab.experiments.matrix.results import load_dataset
-from statelab.experiments.matrix.store import StudyDir
 from statelab.kvstate import compare
-from statelab.lab.archive import load_capture
 from statelab.report import figures
 from statelab.report.page import FIGURES, PNG_MAGIC, Page, markdown_html, referenced_images, write_file
 
@@ -39,18 +36,6 @@ def capture_profiles(pairs: dict[str, tuple]) -> dict[str, xr.Dataset]:
     return {label: kv_profile_dataset(compare(a.state, b.state).records()) for label, (a, b) in pairs.items()}
 
 
-def _study_capture_pairs(out: Path, norm: dict) -> dict[str, tuple]:
-    """The natural A/R (first two arms) captures of each prompt of a study folder, verified."""
-    sdir = StudyDir(out)
-    arms = list(norm["arms"])[:2]
-    pairs = {}
-    for p in norm["prompts"]:
-        dirs = [sdir.capture_dir(p["id"], a) for a in arms]
-        if len(arms) == 2 and all((d / "manifest.json").is_file() for d in dirs):
-            pairs[f"{p['id']} {arms[0]}/{arms[1]}"] = tuple(load_capture(d) for d in dirs)
-    return pairs
-
-
 def _results(out: Path, ds: xr.Dataset | None, load, command: str) -> xr.Dataset:
     if ds is not None:
         return ds
@@ -66,11 +51,12 @@ def _add_profiles(page: Page, profiles: dict[str, xr.Dataset]) -> None:
                  "(solid K, dashed V).")
 
 
-def study_page(out, ds: xr.Dataset | None = None, markdown: str | None = None) -> Path:
+def study_page(out, ds: xr.Dataset | None = None, markdown: str | None = None, pairs: dict | None = None) -> Path:
     """OUT/report.html of a study folder: class-matrix heatmap, the per-layer K/V profile
-    of the natural arms' captures, then report.md."""
+    of the natural arms' captures (``pairs``: label -> (capture, capture), as
+    ``experiments.matrix.store.StudyDir.natural_pairs`` reads them), then report.md."""
     out = Path(out)
-    ds = _results(out, ds, load_dataset, "study report")
+    ds = _results(out, ds, load_results, "study report")
     page = Page(f"Study {ds.attrs.get('study', out.name)}",
                 f"backend {ds.attrs.get('backend', '?')}, cap {ds.attrs.get('cap', '?')}, model "
                 f"{str(ds.attrs.get('model_sha256', ''))[:16]}, spec {str(ds.attrs.get('spec_hash', ''))[:16]}",
@@ -78,7 +64,7 @@ def study_page(out, ds: xr.Dataset | None = None, markdown: str | None = None) -
     page.add("class-matrix", figures.class_matrix(ds),
              "Endpoint class of every subset cross: rows are selectors, columns prompt x direction x repeat "
              "(B reproduces the donor, C a third trajectory, D keeps the recipient; w/f/p: withheld, failed, pending).")
-    _add_profiles(page, capture_profiles(_study_capture_pairs(out, StudyDir(out).read_spec()["normalized"])))
+    _add_profiles(page, capture_profiles(pairs or {}))
     return page.write(out)
 
 

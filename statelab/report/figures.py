@@ -155,7 +155,7 @@ def margin_trajectories(ds: xr.Dataset, title: str = "") -> bytes:
 def frontier_contrasts(rows: Sequence[dict], components: dict | None = None, title: str = "") -> bytes:
     """One line per panel repeat with a frontier: the four arms' fixed-pair scores at t*
     (EMPTY, C1, C2, BOTH) and the additive prediction; the gap between BOTH and the
-    additive marker is the interaction I.  ``rows``: ``experiments.frontier_panels.frontier_rows``;
+    additive marker is the interaction I.  ``rows``: ``analysis.frontier.frontier_rows``;
     ``components``: panel -> its (C1, C2) selector names, shown in the row labels."""
     rows = [r for r in rows if r.get("t_star", -1) >= 0 and "scores" in r]
     if not rows:

@@ -1,15 +1,16 @@
-"""A rich progress bar for study runs: cells done, failures, elapsed time and ETA."""
+"""A rich progress bar for engine runs (the engine's :class:`~statelab.experiments.engine.Progress`):
+units done, failures, elapsed time and ETA."""
 from __future__ import annotations
 
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
-from statelab.experiments.matrix.runner import Reporter
+from statelab.experiments import engine
 
 
-class RichReporter(Reporter):
-    def __init__(self, console):
-        self.console = console
+class RichReporter(engine.Progress):
+    def __init__(self, console, label: str = "cells", transient: bool = False):
+        self.console, self.label, self.transient = console, label, transient
         self.progress = None
         self.task = None
         self.failed = 0
@@ -22,15 +23,15 @@ class RichReporter(Reporter):
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("failures {task.fields[failed]}"), TextColumn("withheld {task.fields[withheld]}"),
                                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                                 console=self.console, transient=False)
+                                 console=self.console, transient=self.transient)
         self.progress.start()
-        self.task = self.progress.add_task("cells", total=total, completed=done + withheld, failed=0,
+        self.task = self.progress.add_task(self.label, total=total, completed=done + withheld, failed=0,
                                            withheld=withheld)
 
     def advance(self, record: dict) -> None:
         if record.get("status") != "ok":
             self.failed += 1
-            self.progress.console.print(f"[red]cell {record['key']} failed: {record.get('error', '')[:200]}[/red]",
+            self.progress.console.print(f"[red]{self.label.rstrip('s')} {record['key']} failed: {record.get('error', '')[:200]}[/red]",
                                         markup=True, highlight=False)
             self.progress.update(self.task, failed=self.failed)
         else:

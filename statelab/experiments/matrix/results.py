@@ -20,10 +20,12 @@ import xarray as xr
 from statelab.analysis.classes import (class_matrix_markdown, magnitude_separability, non_monotone_pairs,
                                        repeat_agreement, selector_lattice)
 from statelab.experiments.naming import Direction
+from statelab.analysis.results import load_results
 from statelab.paths import atomic_write_netcdf, atomic_write_text
 from statelab.experiments.matrix.spec import StudyError, cell_key
-from statelab.experiments.matrix.store import CellLog, StudyDir, first_ok
-from statelab.experiments.records import STUDY_CELL, STUDY_VALUES, check_study_cell_against_controls
+from statelab.experiments.log import first_ok
+from statelab.experiments.matrix.store import StudyDir
+from statelab.experiments.records import check_study_cell_against_controls
 from statelab.lab.archive import load_capture
 from statelab.selection import load_selector, select
 from statelab.experiments.matrix.controls import ALL, EMPTY
@@ -60,7 +62,7 @@ def load_state(out) -> tuple[StudyDir, dict, dict, list[dict], dict[str, dict]]:
     sdir = StudyDir(out)
     spec = sdir.read_spec()
     controls = sdir.all_controls()
-    log = CellLog(sdir.cells_path, STUDY_CELL, STUDY_VALUES)
+    log = sdir.log()
     records = log.records()  # each checked against the schema: one line naming file, line and field
     for line, rec in zip(log.lines, records):
         if rec["status"] == "ok" and rec["spec_hash"] == spec["spec_hash"]:
@@ -110,9 +112,7 @@ def compile_dataset(spec: dict, ok: dict[str, dict], records: list[dict], contro
     return ds
 
 
-def load_dataset(path) -> xr.Dataset:
-    with xr.open_dataset(path, engine="netcdf4") as ds:
-        return ds.load()
+load_dataset = load_results  # the one results reader, under the name the study's callers know
 
 
 # ---------------------------------------------------------------------- report pieces

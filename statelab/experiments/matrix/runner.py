@@ -1,61 +1,23 @@
-"""Run a study: validate, claim the output folder, controls per prompt, then every pending
-cell in a fresh process, appending each finished cell durably; compile at the end."""
+"""The selector matrix as a kind of the engine (:data:`MATRIX`): controls per prompt (the
+kind's preparation), then every pending cell in a fresh process, each finished cell appended
+durably; compiled at the end.  Also :func:`minimal_selection` (``study minimal``)."""
 from __future__ import annotations
 
-import json
-import os
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from statelab import prompts as prompts_mod
-from statelab.analysis.classes import endpoint_class, minimal_sufficient_selection
-from statelab.experiments.executors import check_executor, execute, probe_executor
+from statelab.experiments import engine
+from statelab.experiments.engine import Kind, Progress, Run, Summary
 from statelab.experiments.matrix.cells import CELL, plan
 from statelab.experiments.matrix.controls import run_controls
 from statelab.experiments.matrix.results import compile_study
 from statelab.experiments.matrix.spec import StudyError, StudySpec, check_prompts_fit, load_spec
-from statelab.experiments.matrix.store import CellLog, StudyDir
-from statelab.experiments.records import STUDY_CELL, STUDY_VALUES
+from statelab.experiments.matrix.store import StudyDir
+from statelab.experiments.minimal import search_minimal
 from statelab.lab.archive import ArchiveError, load_capture
-from statelab.lab.intervene import natural, subset_cross
+from statelab.lab.intervene import natural
 from statelab.lab.receiver import Endpoint
 from statelab.runtime import ContextConfig, Model, prepare_backend
-from statelab.selection import Selector, Term, select
-
-
-class Reporter:
-    """Progress hooks (no output); the CLI passes a rich progress bar."""
-
-    def phase(self, text: str) -> None: ...
-
-    def start(self, total: int, done: int, withheld: int) -> None: ...
-
-    def advance(self, record: dict) -> None: ...
-
-    def finish(self) -> None: ...
-
-
-@dataclass
-class RunSummary:
-    out: Path
-    spec_hash: str
-    resumed: bool
-    planned: int
-    withheld: int
-    skipped: int  # finished in an earlier run
-    ran: int
-    failed: int
-    seconds: float
-    cells_seconds: float
-    report: Path
-    results: Path
-    executor_startup_s: float = 0.0  # Dask cluster/client start, inside cells_seconds
-    page: Path | None = None  # what on_compiled returned (report.html), written under the lock
-
-    @property
-    def cells_per_minute(self) -> float:
-        return 60.0 * self.ran / self.cells_seconds if self.cells_seconds > 0 else 0.0
 
 
 def default_out(spec: StudySpec) -> Path:
@@ -91,34 +53,23 @@ def _controls_current(sdir: StudyDir, spec: StudySpec, prompt) -> dict | None:
     return ctl
 
 
-def run_study(spec_path, out=None, executor: str = "local", workers: int = 2, reporter: Reporter | None = None,
-              spec: StudySpec | None = None, on_compiled=None, lanes: int = 1) -> RunSummary:
-    """Run (or resume) a study; ``on_compiled(out, dataset, report)`` runs once the results are
-    compiled, still holding the folder's writer lock (e.g. the HTML page and its figures).
-    ``lanes``: cells at once in each batch process (batch executor only)."""
-    rep = reporter or Reporter()
-    t0 = time.perf_counter()
-    spec = spec or load_spec(spec_path)  # every spec error surfaces here, before the folder is touched
-    check_executor(executor, workers, StudyError, batch_ok=True, lanes=lanes)
-    sdir = StudyDir(out if out is not None else default_out(spec))
-    with sdir.writer():  # one writer per folder; a second one is refused here
-        return _run_locked(spec, sdir, executor, workers, rep, t0, on_compiled, lanes)
+def _identity(run: Run) -> tuple[str, dict]:
+    return run.spec.hash, run.spec.record()
 
 
-def _run_locked(spec: StudySpec, sdir: StudyDir, executor: str, workers: int, rep: Reporter,
-                t0: float, on_compiled=None, lanes: int = 1) -> RunSummary:
-    sdir.check(spec.hash)
-    probe_executor(executor, StudyError)
-
+def _prepare(run: Run) -> None:
+    """The model loaded once: every prompt fits, then (spec.json written) each prompt's
+    controls, formed again only where the folder holds none of this spec."""
+    spec, sdir, rep = run.spec, run.folder, run.progress
     rep.phase("loading the model")
     prepare_backend(spec.backend)
     model = Model(spec.model_path, backend=spec.backend)
     try:
         check_prompts_fit(spec, model)
-        resumed = sdir.claim(spec)
+        resumed = run.claim()
         base = ContextConfig(backend=spec.backend, n_ctx=spec.n_ctx, n_threads=spec.threads)
         controls = {}
-        finished = CellLog(sdir.cells_path, STUDY_CELL, STUDY_VALUES).done(spec.hash) if resumed else {}
+        finished = sdir.log().done(spec.hash) if resumed else {}
         for p in spec.prompts:
             ctl = _controls_current(sdir, spec, p) if resumed else None
             if ctl is None:
@@ -129,43 +80,38 @@ def _run_locked(spec: StudySpec, sdir: StudyDir, executor: str, workers: int, re
             controls[p.id] = ctl
     finally:
         model.close()
+    run.state["controls"] = controls
+    run.state["log"] = sdir.log()
 
-    spec_record = sdir.read_spec()
-    tasks, withheld = plan(spec_record, sdir, controls)
-    log = CellLog(sdir.cells_path, STUDY_CELL, STUDY_VALUES)
-    done = log.done(spec.hash)
-    todo = [t for t in tasks if t["key"] not in done]
-    rep.start(total=len(tasks) + len(withheld), done=len(tasks) - len(todo), withheld=len(withheld))
-    counts = {"ran": 0, "failed": 0}
 
-    def on_result(rec: dict) -> None:
-        log.append(rec)  # durable before anything else sees it
-        counts["ran"] += 1
-        if rec.get("status") != "ok":
-            counts["failed"] += 1
-        rep.advance(rec)
+def _accept(run: Run, rec: dict) -> dict:
+    run.state["log"].append(rec)
+    return rec
 
-    tc = time.perf_counter()
-    overhead = {"startup_s": 0.0}
-    try:
-        overhead = execute(todo, CELL, executor, workers, on_result, error=StudyError, lanes=lanes)
-    finally:
-        cells_seconds = time.perf_counter() - tc
-        rep.finish()
-        with open(sdir.root / "runs.jsonl", "a") as f:
-            f.write(json.dumps({"started": time.time() - (time.perf_counter() - t0), "executor": executor,
-                                "workers": workers, "lanes": lanes, "cells_ran": counts["ran"],
-                                "failed": counts["failed"],
-                                "cells_seconds": cells_seconds, "executor_overhead": overhead,
-                                "pid": os.getpid()}) + "\n")
-    rep.phase("compiling results")
-    ds, md = compile_study(sdir.root, lock=False)  # this process holds the lock
-    page = on_compiled(sdir.root, ds, md) if on_compiled else None
-    return RunSummary(out=sdir.root, spec_hash=spec.hash, resumed=resumed, planned=len(tasks) + len(withheld),
-                      withheld=len(withheld), skipped=len(tasks) - len(todo), ran=counts["ran"],
-                      failed=counts["failed"], seconds=time.perf_counter() - t0, cells_seconds=cells_seconds,
-                      report=sdir.report_path, results=sdir.results_path,
-                      executor_startup_s=overhead.get("startup_s", 0.0), page=page)
+
+def _compile(run: Run) -> dict:
+    ds, md = compile_study(run.out, lock=False)  # this process holds the lock
+    return {"dataset": ds, "markdown": md, "report_path": run.folder.report_path,
+            "results_path": run.folder.results_path}
+
+
+MATRIX = Kind(
+    "matrix", "statelab.experiments.matrix.cells", StudyError, load_spec,
+    folder=lambda spec, out: StudyDir(out if out is not None else default_out(spec)),
+    identity=_identity, prepare=_prepare,
+    plan=lambda run: plan(run.folder.read_spec(), run.folder, run.state["controls"]),
+    done=lambda run: run.state["log"].done(run.spec.hash), unit=lambda run: CELL, accept=_accept,
+    compile=_compile, compile_phase="compiling results", runs_log=True, batch_ok=True)
+
+
+def run_study(spec_path, out=None, executor: str = "local", workers: int = 2, reporter: Progress | None = None,
+              spec: StudySpec | None = None, on_compiled=None, lanes: int = 1) -> Summary:
+    """Run (or resume) a study through the engine; ``on_compiled(out, dataset, report)`` runs
+    once the results are compiled, still holding the folder's writer lock (e.g. the HTML page
+    and its figures).  ``lanes``: cells at once in each batch process (batch executor only)."""
+    page = (lambda folder, s: on_compiled(folder, s.outputs["dataset"], s.outputs["markdown"])) if on_compiled else None
+    return engine.run(MATRIX, spec if spec is not None else spec_path, out, executor, workers, lanes, reporter,
+                      page=page)
 
 
 def _prompt_id(prompt: str) -> str:
@@ -178,8 +124,8 @@ def _prompt_id(prompt: str) -> str:
 
 def minimal_selection(spec_path, prompt: str, direction: str, out=None, refine: bool = True, progress=None) -> dict:
     """Search a small sufficient selection (layers, then a position range) for one prompt
-    and direction with :func:`statelab.analysis.classes.minimal_sufficient_selection`, evaluating
-    each candidate by a real subset cross (in this process, model loaded once).  Reuses
+    and direction with :func:`statelab.experiments.minimal.search_minimal`, evaluating each
+    candidate by a real subset cross (in this process, model loaded once).  Reuses
     the study's archived captures when ``out`` holds them; otherwise forms them."""
     spec = load_spec(spec_path)
     p = next((q for q in spec.prompts if q.id == _prompt_id(prompt)), None) if prompt else None
@@ -208,23 +154,12 @@ def minimal_selection(spec_path, prompt: str, direction: str, out=None, refine: 
             raise StudyError(f"{p.id}: the natural endpoints of {d.donor} and {d.recipient} coincide within cap "
                              f"{spec.cap}; there is no distinguishable donor endpoint to reproduce")
         n_pos = recip.n_prompt
-        trials = []
-
-        def evaluate(layers, positions) -> bool:
-            sel = select(Selector("candidate", (Term(layers=tuple(layers), positions=tuple(positions)),)), recip.state)
-            ep, acc = subset_cross(model, donor, recip, sel, spec.cap)
-            k = endpoint_class(ep, nat_d, nat_r)
-            trials.append({"layers": list(layers), "positions": list(positions), "klass": k,
-                           "selected_bytes": sel.selected_bytes, "changed_bytes": acc.changed_bytes})
-            if progress is not None:
-                progress(trials[-1])
-            return k == "B"
-
-        res = minimal_sufficient_selection(evaluate, spec.n_layer, (0, n_pos), refine=refine)
-        final = select(Selector("minimal", (Term(layers=res.layers, positions=res.positions),)), recip.state)
+        m = search_minimal(model, donor, recip, nat_d, nat_r, spec.cap, range(spec.n_layer), (0, n_pos),
+                           refine=refine, on_trial=progress)
+        res, final = m.result, m.selection
         return {"prompt": p.id, "direction": d.label, "source": source, "found": res.found,
-                "layers": list(res.layers), "positions": list(res.positions), "n_prompt": n_pos,
+                "layers": m.layers, "positions": list(res.positions), "n_prompt": n_pos,
                 "selected_bytes": final.selected_bytes, "share": final.share,
-                "evaluations": res.n_evaluations, "trials": trials}
+                "evaluations": res.n_evaluations, "trials": m.trials}
     finally:
         model.close()

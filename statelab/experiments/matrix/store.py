@@ -1,4 +1,4 @@
-"""A study's output folder and its durable cell log.
+"""A study's output folder (its cell log is the engine's :class:`~statelab.experiments.log.CellLog`).
 
     OUT/.lock                       held (flock) by the one process writing the folder
     OUT/spec.json                   the normalised spec and its hash (a different spec is refused;
@@ -16,9 +16,11 @@ import os
 from pathlib import Path
 
 from statelab.experiments.folder import RunFolder
-from statelab.experiments.records import check_record
+from statelab.experiments.log import CellLog
+from statelab.experiments.records import STUDY_CELL, STUDY_VALUES
+from statelab.lab.archive import load_capture
 from statelab.paths import atomic_write_text
-from statelab.experiments.matrix.spec import FORMAT, StudyError, StudySpec, slug
+from statelab.experiments.matrix.spec import FORMAT, StudyError, slug
 
 
 class StudyDir(RunFolder):
@@ -35,8 +37,21 @@ class StudyDir(RunFolder):
     def controls_path(self, prompt_id: str) -> Path:
         return self.root / "controls" / f"{slug(prompt_id)}.json"
 
-    def claim(self, spec: StudySpec) -> bool:  # type: ignore[override]
-        return super().claim(spec.hash, spec.record())
+    def log(self) -> CellLog:
+        """The folder's cell log, every record checked against the study cell's schema."""
+        return CellLog(self.cells_path, STUDY_CELL, STUDY_VALUES, error=StudyError)
+
+    def natural_pairs(self) -> dict[str, tuple]:
+        """The natural captures of the first two arms of each prompt, verified:
+        ``"<prompt> A/R" -> (capture A, capture R)`` (prompts without both are left out)."""
+        norm = self.read_spec()["normalized"]
+        arms = list(norm["arms"])[:2]
+        pairs = {}
+        for p in norm["prompts"]:
+            dirs = [self.capture_dir(p["id"], a) for a in arms]
+            if len(arms) == 2 and all((d / "manifest.json").is_file() for d in dirs):
+                pairs[f"{p['id']} {arms[0]}/{arms[1]}"] = tuple(load_capture(d) for d in dirs)
+        return pairs
 
     # ------------------------------------------------------------------ controls
     def read_controls(self, prompt_id: str) -> dict | None:
@@ -62,70 +77,3 @@ class StudyDir(RunFolder):
                     continue
                 out[rec["prompt"]] = rec
         return out
-
-
-class CellLog:
-    """Append-only JSON lines.  A line that a killed writer left unfinished (no trailing
-    newline) is cut off when the log is opened, so every kept line is a whole record."""
-
-    def __init__(self, path: str | os.PathLike, schema: dict | None = None, values: dict | None = None,
-                 error: type[Exception] = StudyError):
-        """``schema`` (status -> field -> JSON types, :mod:`statelab.experiments.records`): every
-        record read back is checked against it, one line naming the file, line and field."""
-        self.path = Path(path)
-        self.schema, self.values, self.error = schema, values, error
-        self.lines: list[int] = []  # the line of each record of the last records() call
-        self.repaired = self._repair()
-
-    def _repair(self) -> int:
-        if not self.path.is_file():
-            return 0
-        data = self.path.read_bytes()
-        if not data or data.endswith(b"\n"):
-            return 0
-        keep = data.rfind(b"\n") + 1
-        with open(self.path, "r+b") as f:
-            f.truncate(keep)
-            f.flush()
-            os.fsync(f.fileno())
-        return len(data) - keep
-
-    def records(self) -> list[dict]:
-        if not self.path.is_file():
-            return []
-        out, lines = [], []
-        for i, line in enumerate(self.path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                raise self.error(f"{self.path}: line {i} is not valid JSON (the log was edited?)") from None
-            if self.schema is not None:
-                check_record(rec, self.schema, self.path, i, self.error, self.values)
-            out.append(rec)
-            lines.append(i)
-        self.lines = lines
-        return out
-
-    def done(self, spec_hash: str | None = None) -> dict[str, dict]:
-        """key -> the first successful record (later duplicates, which a correct runner never
-        writes, are ignored)."""
-        return first_ok(self.records(), spec_hash)
-
-    def append(self, record: dict) -> None:
-        line = json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
-
-
-def first_ok(records: list[dict], spec_hash: str | None = None) -> dict[str, dict]:
-    """key -> the first successful record of ``spec_hash`` (any spec when None) among ``records``."""
-    out: dict[str, dict] = {}
-    for r in records:
-        if r.get("status") == "ok" and (spec_hash is None or r.get("spec_hash") == spec_hash):
-            out.setdefault(r["key"], r)
-    return out
