@@ -130,15 +130,16 @@ def test_c_qb_qualifies_on_vulkan(vulkan_device, cli_subprocess, tmp_path):  # n
     probe = _json(_run(PRELUDE + "print(json.dumps({'patch': True}))", 300))
     _patched_or_skip(probe)
     out = tmp_path / "spec.json"
-    r = cli_subprocess("spec", "run", "-H", "2", "--cap", "8", "--arms", "R,C_QB", "--draft", "ngram:1-8",
-                       "--fixed-rows", "--backend", "vulkan", "--json", str(out), timeout=900)
+    # a short prompt that repeats itself: the n-gram drafter proposes from the first cycle, R's prefill is short
+    r = cli_subprocess("spec", "run", "-p", "x = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,", "--cap", "8", "--arms", "R,C_QB",
+                       "--draft", "ngram:1-8", "--fixed-rows", "--backend", "vulkan", "--json", str(out), timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "not admitted" not in r.stderr
     recs = {x["arm"]: x for x in json.loads(out.read_text())}
     c = recs["C_QB"]
     assert c["qualified"] is True, c
     assert c["tokens"] == recs["R"]["tokens"] and len(c["tokens"]) == 8
-    assert c["verify_calls"] > 0 and c["layout_not_admitted"] == 0, c
+    assert c["verify_calls"] > 0 and c["proposals"] > 0 and c["layout_not_admitted"] == 0, c
 
 
 # ------------------------------------------------------------------ without the patch (no device needed)
