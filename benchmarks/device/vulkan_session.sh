@@ -11,7 +11,7 @@
 #   bash benchmarks/device/vulkan_session.sh run       # doctor, decode, sweep, admission, spec arms, 3x3 transplants
 #   bash benchmarks/device/vulkan_session.sh demo      # the full statelab demo on the Vulkan device
 #   bash benchmarks/device/vulkan_session.sh qb        # patch 0007, QB on Vulkan: admission, the layout oracle (locator
-#                                                      # ub1 against ub4:QB with every row's logits, and ub8:QB, ub4:MQ),
+#                                                      # ub1 against ub4:QB with every row's logits, and ub4:MQ),
 #                                                      # C_QB/M_QB qualification on HumanEval/0 and /2, the n-gram campaign
 #                                                      # (studies/spec-cuda-ngram.toml on Vulkan) with the verify-cost sweep
 #                                                      # by rows in QB, and the same sweep in MQ (arm C0); $OUT/vk_qb.tgz
@@ -65,7 +65,7 @@ case "${1:-}" in
 print("patch 0007 (QB on Vulkan):", layouts.vulkan_qb_available())' 2>&1 | tee "$R/patch.txt"
     sl audit backends --backend vulkan > "$R/admission.txt" 2>&1; grep -E "^\| QB \| 4 " "$R/admission.txt"
     if [ ! -f "$R/locate.txt" ]; then
-      for b in ub4:QB ub8:QB ub4:MQ; do
+      for b in ub4:QB ub4:MQ; do
         echo "== ub1 vs $b" >> "$R/locate.txt"
         sl locate -H 2 --backend vulkan -a ub1 -b "$b" --logits all --max-tokens 64 --out "$R/locate_${b/:/_}" 2>&1 \
           | tail -6 >> "$R/locate.txt"
