@@ -49,20 +49,20 @@ import json
 from statelab.runtime import prepare_backend
 prepare_backend("vulkan")  # sets GGML_VK_VISIBLE_DEVICES=0 before the backends register
 from statelab.audit.admission import AttnShape, run_admission
-from statelab.runtime import list_devices
+from statelab.runtime import layouts, list_devices
 vk = [d for d in list_devices() if d.registry.lower() == "vulkan"]
 if not vk:
     print(json.dumps({"devices": [d.registry + ":" + d.name for d in list_devices()]}))
 else:
     ds = run_admission(AttnShape(), qs=(1, 2), devices=vk)
     sup = ds["supported"].sel(device=ds["device"].values[0])
-    print(json.dumps({"device": str(ds["device"].values[0]),
+    print(json.dumps({"device": str(ds["device"].values[0]), "patch": layouts.vulkan_qb_available(),
                       **{f"{lay}{q}{op}": int(sup.sel(layout=lay, q=q, op=op))
                          for lay in ("MQ", "PQ", "QB") for q in (1, 2) for op in ("qk", "av")}}))
 """
 
 
-def test_vulkan_rejects_the_qb_batch_broadcast():
+def test_vulkan_admits_the_qb_batch_broadcast_only_with_patch_0007():
     """In a fresh process: the Vulkan backend reads GGML_VK_VISIBLE_DEVICES once, at registration."""
     import json
     import subprocess
@@ -75,8 +75,10 @@ def test_vulkan_rejects_the_qb_batch_broadcast():
         reason = f"no Vulkan device in this build/machine (devices: {res['devices']})"
         print(f"SKIP: {reason}")
         pytest.skip(reason)
-    # ggml_backend_vk_device_supports_op: mul_mat needs src0->ne[3] == src1->ne[3]; QB has (1, q)
-    assert res["QB2qk"] == 0 and res["QB2av"] == 0, res
+    # ggml_backend_vk_device_supports_op: mul_mat needs src0->ne[3] == src1->ne[3]; QB has (1, q), which
+    # native/patches/0007-vulkan-qb-attention.patch admits (F16 src0, single-vector F32 src1 batched over dim 3)
+    want = 1 if res["patch"] else 0
+    assert res["QB2qk"] == want and res["QB2av"] == want, res
     assert res["MQ2qk"] == 1 and res["PQ2qk"] == 1 and res["QB1qk"] == 1, res
 
 

@@ -69,25 +69,31 @@ def test_vulkan_generates_and_partition_changes_the_state(vulkan_device):
 REFUSAL = """
 import json
 from statelab.audit.admission import device_refusal
-from statelab.runtime import Model, prepare_backend
+from statelab.runtime import Model, layouts, prepare_backend
 prepare_backend("vulkan")
 m = Model(None, backend="vulkan")
-print(json.dumps({q: {lo: device_refusal(m, lo, q) for lo in ("QB", "QB+W", "PQ", "GS")} for q in (1, 4)}))
+out = {q: {lo: device_refusal(m, lo, q) for lo in ("QB", "QB+W", "PQ", "GS")} for q in (1, 4)}
+print(json.dumps(dict(out, patch=layouts.vulkan_qb_available())))
 """
 
 
 def test_qb_is_reported_not_admitted_on_vulkan(vulkan_device, cli_subprocess):
-    """ggml-vulkan rejects QB's two products (src0 ne3 1, src1 ne3 q); the scheduler would silently run
-    them on the CPU, so speculative arms report QB as not admitted, with the shapes, instead of running."""
+    """Unpatched ggml-vulkan rejects QB's two products (src0 ne3 1, src1 ne3 q); the scheduler would
+    silently run them on the CPU, so speculative arms report QB as not admitted, with the shapes and the
+    missing patch, instead of running. With patch 0007 the device admits them (tests/test_vulkan_qb.py)."""
     r = _run(REFUSAL, 300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["1"] == {"QB": None, "QB+W": None, "PQ": None, "GS": None}  # one query: the native graph
+    assert res["4"]["PQ"] is None and res["4"]["GS"] is None
+    if res["patch"]:
+        assert res["4"]["QB"] is None and res["4"]["QB+W"] is None
+        return
     for lo in ("QB", "QB+W"):
         why = res["4"][lo]
         assert why.startswith("not admitted on Vulkan:") and "qk MUL_MAT (64,256,3,1) x (64,1,9,4)" in why, why
         assert "av MUL_MAT (256,64,3,1) x (256,1,9,4)" in why, why
-    assert res["4"]["PQ"] is None and res["4"]["GS"] is None
+        assert "0007-vulkan-qb-attention.patch" in why and "\n" not in why, why
     # a new process: lavapipe is visible only if GGML_VK_VISIBLE_DEVICES is set before ggml registers its backends
     s = cli_subprocess("spec", "run", "-p", "def add(a, b):", "--cap", "1", "--arms", "R,M_QB", "--backend", "vulkan",
                        timeout=900)

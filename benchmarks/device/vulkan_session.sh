@@ -10,6 +10,13 @@
 #   bash benchmarks/device/vulkan_session.sh wait      # wait for the build, doctor on the Vulkan device
 #   bash benchmarks/device/vulkan_session.sh run       # doctor, decode, sweep, admission, spec arms, 3x3 transplants
 #   bash benchmarks/device/vulkan_session.sh demo      # the full statelab demo on the Vulkan device
+#   bash benchmarks/device/vulkan_session.sh qb        # patch 0007, QB on Vulkan: admission, the layout oracle (locator
+#                                                      # ub1 against ub4:QB with every row's logits, and ub4:MQ),
+#                                                      # C_QB/M_QB qualification on HumanEval/0 and /2, the n-gram campaign
+#                                                      # (studies/spec-cuda-ngram.toml on Vulkan) with the verify-cost sweep
+#                                                      # by rows in QB, and the same sweep in MQ (arm C0); $OUT/vk_qb.tgz
+#                                                      # With BUDGET=S a campaign starts no new block after S seconds and
+#                                                      # the next `qb` call resumes it (its folder lives in $W)
 set -uo pipefail
 . "$(dirname "$0")/common.sh"
 export LD_LIBRARY_PATH=/opt/vk/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -52,5 +59,33 @@ case "${1:-}" in
     sl demo --backend vulkan --out "$R/demo" > "$R/demo.txt" 2>&1; tail -40 "$R/demo.txt"
     tar -czf "$OUT/vk_demo.tgz" -C "$R/.." vk
     ;;
-  *) echo "usage: $0 setup|part1|model|wait|run|demo" >&2; exit 2 ;;
+  qb)
+    R=$W/vkqb; mkdir -p "$R"   # kept on the machine while it is warm: a resumed call skips what is done
+    python3 -c 'from statelab.runtime import layouts, prepare_backend; prepare_backend("vulkan")
+print("patch 0007 (QB on Vulkan):", layouts.vulkan_qb_available())' 2>&1 | tee "$R/patch.txt"
+    sl audit backends --backend vulkan > "$R/admission.txt" 2>&1; grep -E "^\| QB \| 4 " "$R/admission.txt"
+    if [ ! -f "$R/locate.txt" ]; then
+      for b in ub4:QB ub4:MQ; do
+        echo "== ub1 vs $b" >> "$R/locate.txt"
+        sl locate -H 2 --backend vulkan -a ub1 -b "$b" --logits all --max-tokens 64 --out "$R/locate_${b/:/_}" 2>&1 \
+          | tail -6 >> "$R/locate.txt"
+      done
+      for t in 0 2; do
+        sl spec run -H $t --backend vulkan --cap 64 --arms R,M_QB,C_QB --draft ngram:1-8 --fixed-rows \
+          --json "$R/spec_qb_he$t.json" >> "$R/spec_qb.txt" 2>&1
+      done
+    fi
+    tail -n 40 "$R/locate.txt" "$R/spec_qb.txt"
+    sed -e 's/^backend = "cuda"/backend = "vulkan"/' studies/spec-cuda-ngram.toml > "$R/spec-vulkan-ngram.toml"
+    sed -e 's/^arms = .*/arms = ["R", "C0"]/' -e 's/^ratios = .*/ratios = [["R", "C0"]]/' -e 's/^sessions = 3/sessions = 1/' \
+      "$R/spec-vulkan-ngram.toml" > "$R/spec-vulkan-mq.toml"
+    for s in ngram mq; do
+      python3 benchmarks/speculative.py "$R/spec-vulkan-$s.toml" --rows --no-write --out "$W/vk-$s" \
+        ${BUDGET:+--budget $BUDGET} 2>&1 | tee "$R/campaign-$s.txt" | tail -25
+      [ "${PIPESTATUS[0]}" = 3 ] && exit 3   # unfinished: the next `qb` call resumes it
+      rm -rf "$R/vk-$s"; cp -r "$W/vk-$s" "$R/"
+    done
+    tar -czf "$OUT/vk_qb.tgz" -C "$W" vkqb
+    ;;
+  *) echo "usage: $0 setup|part1|model|wait|run|demo|qb" >&2; exit 2 ;;
 esac

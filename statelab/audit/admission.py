@@ -202,7 +202,8 @@ def device_refusal(model, layout: str, q: int) -> str | None:
 
     A product the device's ``supports_op`` rejects is not an error in llama.cpp: the graph scheduler
     quietly runs it on the CPU backend, so an arm would "qualify" without its layout ever running on
-    the device. Callers report such an arm as not admitted instead of running it."""
+    the device. Callers report such an arm as not admitted instead of running it. QB on Vulkan needs
+    native/patches/0007 (ggml-vulkan's QB products); a build without it is refused with that reason."""
     lay = Layout.parse(layout)
     base = lay.attention
     if not lay.device_must_admit(model.backend) or base == "MQ" or q < 2:
@@ -213,8 +214,10 @@ def device_refusal(model, layout: str, q: int) -> str | None:
            if ds.supported.values[0, 0, 0, i] == 0]
     if not bad:
         return None
-    return (f"not admitted on {ds.device.values[0]}: its supports_op rejects {'; '.join(bad)} "
-            f"(the scheduler would run them on the CPU)")
+    why = (f"not admitted on {ds.device.values[0]}: its supports_op rejects {'; '.join(bad)} "
+           f"(the scheduler would run them on the CPU)")
+    patch = layouts.patch_refusal(base, model.backend)
+    return why + (f"; {patch}" if patch else "")
 
 
 def admission_markdown(ds) -> str:

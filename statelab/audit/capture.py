@@ -155,13 +155,16 @@ def context_size(n_tokens: int) -> int:
     return max(KV_PAD, -(-n_tokens // KV_PAD) * KV_PAD)
 
 
-def check_layout(layout: str) -> None:
+def check_layout(layout: str, backend: str = "cpu") -> None:
     if layout != "MQ" and not layouts.available():
         raise ConfigError(f"attention layout {layout} needs the layout patch "
                           "(native/patches/0002-attention-layouts.patch), which this build lacks")
     if layout.endswith(layouts.REPAIR_SUFFIX) and not layouts.weight_repair_available():
         raise ConfigError(f"layout {layout} needs the weight-product patch "
                           "(native/patches/0003-row-invariant-weight-products.patch), which this build lacks")
+    why = layouts.patch_refusal(layout, backend) if layout != "MQ" else None
+    if why:
+        raise ConfigError(why)
 
 
 def run_graph(model, tokens, geometry: Geometry, base_config=None, *, want=None, want_srcs=None,
@@ -179,7 +182,7 @@ def run_graph(model, tokens, geometry: Geometry, base_config=None, *, want=None,
     pre = np.asarray(prefix if prefix is not None else [], dtype=np.int32).ravel()
     if len(toks) == 0:
         raise ConfigError("nothing to decode: no tokens")
-    check_layout(geometry.layout)
+    check_layout(geometry.layout, model.backend)
     n_total = len(pre) + len(toks)
     cfg0 = base_config or ContextConfig(backend=model.backend)
     n_ctx = n_ctx or context_size(n_total)

@@ -26,6 +26,12 @@ verifies of more than 4 rows differed from 1-row decodes on CUDA). MQ, GS and th
 leave it off (native kernels; "+W" computes 1-row products anyway). Backends without such a kernel
 ignore the hint.
 
+On Vulkan, QB needs native/patches/0007-vulkan-qb-attention.patch: natively ggml-vulkan refuses
+a matrix product whose operands differ in their fourth extent (QB's K x q and V^T x softmax), and
+the patch admits exactly those products, computed by the matrix-vector shader of a 1-row decode
+with the query index as one more workgroup index. `vulkan_qb_available()` tells whether the
+loaded library carries it.
+
 The C functions are bound on first use, so this module imports on an unpatched build;
 `available()` then returns False and every other call raises LayoutError.
 
@@ -47,6 +53,8 @@ NAMES = {v: k for k, v in LAYOUTS.items()}
 WEIGHT_REPAIR_VERSION = 1  # LLAMA_STATELAB_WEIGHT_REPAIR_VERSION
 ROW_INVARIANT_KERNELS_VERSION = 1  # LLAMA_STATELAB_ROW_INVARIANT_KERNELS_VERSION (the hint, patch 0005)
 QB_COLUMNS_VERSION = 2  # the same version function: the QB attention products as one launch (patch 0006)
+VULKAN_QB_VERSION = 1  # LLAMA_STATELAB_VULKAN_QB_VERSION
+VULKAN_QB_PATCH = "0007-vulkan-qb-attention.patch"
 REPAIR_SUFFIX = "+W"
 # every layout family: attention layout, weight products row by row
 FAMILIES = {**{k: (k, False) for k in LAYOUTS}, **{k + REPAIR_SUFFIX: (k, True) for k in LAYOUTS}}
@@ -94,7 +102,8 @@ class Layout(str, Enum):
     def device_must_admit(self, backend: str) -> bool:
         """Whether a run on ``backend`` must first ask the device (ggml supports_op) to run
         this layout's products where the scheduler put them: the CPU runs every layout, a
-        GPU backend may reject the views (Vulkan rejects QB's matrix product, paper S6.3)."""
+        GPU backend may reject the views (unpatched ggml-vulkan rejects QB's matrix products, paper
+        S6.3; patch 0007 admits them)."""
         return backend != "cpu" and self.needs_patch
 
     @classmethod
@@ -134,10 +143,12 @@ _SIGNATURES = {
     "llama_statelab_row_invariant_kernels_version": ([], _i32),
     "llama_statelab_set_row_invariant_kernels": ([_vp, _i32], _i32),
     "llama_statelab_get_row_invariant_kernels": ([_vp], _i32),
+    "llama_statelab_vulkan_qb_version": ([], _i32),
 }
 _PATCH_OF = {name: "0003-row-invariant-weight-products.patch" for name in _SIGNATURES if "weight" in name}
 _PATCH_OF["llama_statelab_get_state_copies"] = "0004-state-copies-2d.patch"
 _PATCH_OF.update({name: "0005-row-invariant-kernels.patch" for name in _SIGNATURES if "row_invariant" in name})
+_PATCH_OF["llama_statelab_vulkan_qb_version"] = VULKAN_QB_PATCH
 _fns: dict[str, object] = {}
 
 
@@ -243,6 +254,23 @@ def qb_columns_available() -> bool:
     """True when the hint also marks QB's attention products, which ggml-cuda then serves as the columns
     of one matrix-vector launch, each query reduced as its own 1-row product (patch 0006)."""
     return _patch_at("llama_statelab_row_invariant_kernels_version", QB_COLUMNS_VERSION)
+
+
+def vulkan_qb_available() -> bool:
+    """True when the loaded libllama carries the QB attention products on Vulkan (patch 0007):
+    ggml-vulkan then admits QB's two products and computes each query with its 1-row decode's
+    shader and workgroup; without it ggml-vulkan refuses them (the scheduler would run them on the CPU)."""
+    return _patch_at("llama_statelab_vulkan_qb_version", VULKAN_QB_VERSION)
+
+
+def patch_refusal(layout: str, backend: str) -> str | None:
+    """Why this build cannot run ``layout``'s attention on ``backend``'s device, or None: QB (and
+    QB+W) on Vulkan without patch 0007. One line, for the callers' refusals."""
+    if backend == "vulkan" and Layout.parse(layout).attention == "QB" and not vulkan_qb_available():
+        return (f"attention layout QB on Vulkan needs native/patches/{VULKAN_QB_PATCH}, which this libllama "
+                "lacks (unpatched ggml-vulkan refuses QB's two matrix products, so they would run on the CPU); "
+                "rebuild with native/build.py --backend vulkan")
+    return None
 
 
 def get_row_invariant_kernels(ctx) -> bool:

@@ -504,6 +504,9 @@ class Runner:
             if Layout(arm.layout).repair and not layouts.weight_repair_available():
                 raise ConfigError(f"arm {arm.name} needs the weight-product patch "
                                   "(native/patches/0003-row-invariant-weight-products.patch)")
+            why = layouts.patch_refusal(arm.layout, c.backend)
+            if why:
+                raise ConfigError(f"arm {arm.name}: {why}")
         ub = 1 if arm.reference else c.target_ubatch
         tcfg = ContextConfig(backend=c.backend, n_ctx=c.n_ctx, n_batch=max(512, c.rows), n_ubatch=ub,
                              n_threads=c.threads)
