@@ -35,6 +35,15 @@
 #   wheel-in           install the wheel carried back in .dev/cudawhl/ (parts joined, sha256 checked)
 set -uo pipefail
 . "$(dirname "$0")/common.sh"
+# locate_each DIR NAME:GGUF GEOMETRY...: the locator, ub1 against each geometry, into DIR (locate.txt + reports)
+locate_each() {
+  local r=$1 m=$2 b; shift 2
+  for b in "$@"; do
+    echo "== ${m%%:*} ub1 vs $b" >> "$r/locate.txt"
+    sl locate -H 2 --model "${m#*:}" --backend cuda -a ub1 -b "$b" --out "$r/locate_${m%%:*}_${b/:/_}" 2>&1 | tail -6 >> "$r/locate.txt"
+  done
+}
+
 case "${1:-}" in
   setup) dev_setup --backend cuda ;;
   keep) dev_keep "$2" ;;
@@ -81,12 +90,7 @@ case "${1:-}" in
     R=$OUT/exact; mkdir -p "$R"
     SMOL=$W/model.gguf GEMMA=$W/gemma.gguf OUT=$R bash benchmarks/device/cuda_weights.sh audit > "$R/audit.log" 2>&1
     grep -h "cases computed" "$R"/matmul_*.txt
-    for m in smollm2:$W/model.gguf gemma3:$W/gemma.gguf; do
-      for b in ub8:QB ub8:MQ ub4:QB; do
-        echo "== ${m%%:*} ub1 vs $b" >> "$R/locate.txt"
-        sl locate -H 2 --model "${m#*:}" --backend cuda -a ub1 -b "$b" --out "$R/locate_${m%%:*}_${b/:/_}" 2>&1 | tail -6 >> "$R/locate.txt"
-      done
-    done
+    for m in smollm2:$W/model.gguf gemma3:$W/gemma.gguf; do locate_each "$R" "$m" ub8:QB ub8:MQ ub4:QB; done
     tail -n 60 "$R/locate.txt"
     sed -e 's/^k = 3/k = 7/' studies/spec-cuda-ngram.toml > "$R/spec-cuda-ngram-k7.toml"
     sed -e "s#^backend = \"cuda\"#backend = \"cuda\"\nmodel = \"$W/gemma.gguf\"#" "$R/spec-cuda-ngram-k7.toml" > "$R/spec-cuda-gemma-k7.toml"
@@ -106,10 +110,7 @@ case "${1:-}" in
     for m in smollm2:$W/model.gguf gemma3:$W/gemma.gguf; do
       sl audit e1 --backend cuda --model "${m#*:}" --out "$R/e1_${m%%:*}" > "$R/e1_${m%%:*}.txt" 2>&1
       tail -4 "$R/e1_${m%%:*}.txt"
-      for b in ub4:QB ub8:QB ub8:MQ; do
-        echo "== ${m%%:*} ub1 vs $b" >> "$R/locate.txt"
-        sl locate -H 2 --model "${m#*:}" --backend cuda -a ub1 -b "$b" --out "$R/locate_${m%%:*}_${b/:/_}" 2>&1 | tail -6 >> "$R/locate.txt"
-      done
+      locate_each "$R" "$m" ub4:QB ub8:QB ub8:MQ
     done
     tail -n 40 "$R/locate.txt"
     tar -czf "$OUT/qbcols.tgz" -C "$OUT" qbcols
