@@ -13,7 +13,7 @@ import numpy as np
 
 from statelab import prompts
 from statelab.analysis.classes import bootstrap_ratio_interval, first_difference
-from statelab.audit.admission import device_refusal
+from statelab.runtime.admission import device_refusal
 from statelab.errors import ConfigError, StatelabError
 from statelab.experiments.executors import Unit, execute
 from statelab.experiments.matrix.store import CellLog, first_ok
@@ -187,7 +187,7 @@ def run_arms(model_path, draft, prompt, names: list[str], cfg: SpecConfig, refus
              gate: bool = False):
     """Arms on one prompt in this process (``spec run``), R first (every arm is qualified
     against it, so R runs even when not named); an arm the device would not run
-    (:func:`~statelab.audit.admission.device_refusal`) is reported to ``refused(arm, why)``
+    (:func:`~statelab.runtime.admission.device_refusal`) is reported to ``refused(arm, why)``
     and left out.  With ``gate`` each drafting arm's verify costs are measured first (on
     ``prompt``) and its proposals gated by them.  Returns (qualified results, whether a
     drafter was needed)."""
