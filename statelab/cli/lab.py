@@ -16,6 +16,8 @@ from rich.table import Table
 from statelab.cli.common import (BackendOpt, CapOpt, CaptureModelOpt, CtxOpt, HumanEvalOpt, JsonOpt, ModelOpt,
                                  PromptFileOpt, PromptOpt, ThreadsOpt, app, backend_name, console, load_capture_dir,
                                  model_for, print_endpoint, prompt_of, setup)
+from statelab.errors import one_of
+from statelab.kvstate import KV_TYPE_NAMES
 
 
 @app.command()
@@ -52,8 +54,8 @@ def capture(out: Path = typer.Argument(..., help="output folder (must not exist)
             model: Optional[Path] = ModelOpt, backend: str = BackendOpt, threads: int = ThreadsOpt,
             n_ctx: int = CtxOpt, overwrite: bool = typer.Option(False, help="replace an existing capture (only a "
                                                                   "capture that verifies is replaced)"),
-            cache_type_k: str = typer.Option("f16", "--cache-type-k", help="K cache type: f32, f16, bf16, q8_0"),
-            cache_type_v: str = typer.Option("f16", "--cache-type-v", help="V cache type: f32, f16, bf16, q8_0 "
+            cache_type_k: str = typer.Option("f16", "--cache-type-k", help=f"K cache type: {one_of(KV_TYPE_NAMES)}"),
+            cache_type_v: str = typer.Option("f16", "--cache-type-v", help=f"V cache type: {one_of(KV_TYPE_NAMES)} "
                                              "(q8_0 needs --flash-attn)"),
             flash_attn: bool = typer.Option(False, "--flash-attn", help="flash attention (V stored untransposed)")):
     """Form a state with a prefill schedule and archive it (KV, initial FP32 logits, identities)."""
