@@ -4,8 +4,8 @@ import pytest
 
 from statelab.experiments.campaign import CampaignSpec, mask_lattice, prompt_key, qualify_records, report_markdown, run_campaign
 from statelab.errors import ConfigError, IdentityError
-from statelab.speculative.transaction import (AdaptiveK, Arm, NgramDrafter, PhaseGuard, Runner, SpecConfig, parse_ngram,
-                                              qualify)
+from statelab.speculative.drafters import parse_ngram
+from statelab.speculative.transaction import AdaptiveK, Arm, NgramDrafter, PhaseGuard, Runner, SpecConfig, qualify
 
 CAP = 24
 

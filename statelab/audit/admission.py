@@ -84,7 +84,7 @@ def run_admission(shape: AttnShape | None = None, qs=(1, 2, 3, 4), layouts=LAYOU
         ds["runtime_reason"] = (("layout", "q"), np.array([[run[(lo, q)]["reason"] for q in qs] for lo in layouts],
                                                           dtype=object).astype(str))
     ds.attrs.update({
-        "title": "statelab backend admission of the MQ/PQ/QB attention operators",
+        "title": "statelab backend admission of the attention layouts' operators",
         "d": shape.d, "n_kv": shape.n_kv, "h_q": shape.h_q, "h_kv": shape.h_kv, "kv_size": shape.kv_size,
         "model_backend": model.backend if model is not None else "",
         "note": "supported = ggml_backend_dev_supports_op accepted every call of that operator; a rejection is "

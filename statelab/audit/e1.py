@@ -400,7 +400,7 @@ def run_e1(model, prompt_tokens, *, layers=None, phases=PHASES, qs=(1, 2, 3, 4),
     )
     any_cap = next(iter(runs.values())).captures[layers[0]] if runs else None
     ds.attrs.update({
-        "title": "statelab E1: same-input attention correspondence (MQ/PQ/QB)",
+        "title": "statelab E1: same-input attention correspondence of " + "/".join(LAYOUTS),
         "n_prompt": int(len(toks)), "layouts_available": ",".join(lo for lo in layouts if avail[lo]),
         "layout_patch": int(lay_api.available()),
         "head_map": (f"query head a -> KV head a // {len(any_cap.head_map) // (max(any_cap.head_map) + 1)} "

@@ -50,8 +50,6 @@ from statelab.speculative.drafters import (
     NgramDrafter,
     VerifyCosts,
     check_vocabulary,
-    is_ngram,  # noqa: F401 (re-exported: older callers import it from here)
-    parse_ngram,  # noqa: F401 (re-exported)
     remove_after,
     resolve,
 )
