@@ -851,7 +851,8 @@ def frontier_section(model, base_config, prompts: list, cap: int = 48, arms: dic
             toks[tok] = model.detokenize([tok])
         return toks[tok]
 
-    head = (f"## Frontier panels ({', '.join(panels)}; arms {', '.join(arms)}, cap {cap}, "
+    head = (f"## Frontier panels ({', '.join(panels)}; arms {', '.join(dict.fromkeys(x for d in directions for x in d))}, "
+            f"cap {cap}, "
             f"{time.perf_counter() - t0:.0f} s)\n\n"
             "Four subset crosses per panel through the common receiver (EMPTY, component 1, component 2, both), "
             "full FP32 logits.  One in-process repeat per direction; `statelab frontier run` repeats each panel "
