@@ -18,6 +18,7 @@ from statelab.cli.common import (BackendOpt, CapOpt, CaptureModelOpt, CtxOpt, Hu
                                  model_for, print_endpoint, prompt_of, setup)
 from statelab.errors import one_of
 from statelab.kvstate import KV_TYPE_NAMES
+from statelab.lab.formation import SCHEDULES_TEXT
 
 
 @app.command()
@@ -50,7 +51,7 @@ def generate(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
 def capture(out: Path = typer.Argument(..., help="output folder (must not exist)"),
             prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEvalOpt,
             prompt_file: Optional[Path] = PromptFileOpt, schedule: str = typer.Option("A", "--schedule", "-s",
-            help="A, B, C, R or explicit like 132+1, 128+rest@ub64, ub16"),
+            help=SCHEDULES_TEXT),
             model: Optional[Path] = ModelOpt, backend: str = BackendOpt, threads: int = ThreadsOpt,
             n_ctx: int = CtxOpt, overwrite: bool = typer.Option(False, help="replace an existing capture (only a "
                                                                   "capture that verifies is replaced)"),

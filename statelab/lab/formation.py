@@ -102,6 +102,9 @@ PRESETS = {
 }
 
 
+# what a schedule may be: the message of every refused one and the help of every --schedule option
+SCHEDULES_TEXT = f"{one_of(PRESETS)}, or an explicit one such as 132+1, 128+rest@ub64, ub16"
+
 
 def differing_arms(backend: str) -> dict[str, Schedule]:
     """The presets that form different states on ``backend`` (``runtime.native.Backend.arms``), by name."""
@@ -119,8 +122,7 @@ def parse_schedule(text: str, n_batch: int = DEFAULT_BATCH) -> Schedule:
         return PRESETS[t]
     m = _EXPLICIT.match(t)
     if not t or not m or (m.group("chunks") is None and m.group("ub") is None):
-        raise ConfigError(f"unknown schedule {text!r}: use {one_of(PRESETS)}, or an explicit one such as 132+1, "
-                          "128+rest@ub64, ub16")
+        raise ConfigError(f"unknown schedule {text!r}: use {SCHEDULES_TEXT}")
     chunks = tuple(REST if c == "rest" else int(c) for c in (m.group("chunks") or "rest").split("+"))
     ub = int(m.group("ub")) if m.group("ub") is not None else 512
     if ub == 0:
