@@ -16,7 +16,6 @@ from functools import lru_cache
 from statelab.errors import ConfigError, NativeBuildError, one_of
 
 
-
 @dataclass(frozen=True)
 class Backend:
     """A backend statelab builds for, with everything that depends on which one it is (the one place):
