@@ -19,6 +19,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 _OWNER = re.compile(r"^(?P<host>.+)-(?P<pid>\d+)\.")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def slug(text: str, fallback: str = "prompt", sep: str = "_") -> str:
+    """The one file-name form of an id: every run of other characters than letters, digits and
+    ``._-`` becomes ``sep`` (``HumanEval/2`` -> ``HumanEval_2``), no dot or separator at the ends."""
+    return _UNSAFE.sub(sep, str(text)).strip("._" + sep) or fallback
 
 
 def cache_dir() -> Path:

@@ -87,6 +87,6 @@ def test_bad_input():
         run_admission(AttnShape(), qs=(0,))
     with pytest.raises(ConfigError, match="GQA"):
         run_admission(AttnShape(h_q=8, h_kv=3), qs=(2,))
-    with pytest.raises(ConfigError, match="unknown layout"):
+    with pytest.raises(ConfigError, match="unknown attention layout 'XB'; choose one of MQ, PQ or QB"):
         with OpGraph() as g:
             build_layout(g, AttnShape(), "XB", 2)

@@ -37,7 +37,7 @@ def test_one_of_and_check_backend():
     assert one_of(BACKENDS) == "cpu, cuda or vulkan"
     assert one_of(["MQ"]) == "MQ" and one_of(("MQ", "PQ")) == "MQ or PQ"
     assert check_backend("cpu") == "cpu"
-    with pytest.raises(ConfigError, match="unknown backend 'gpu'; choose one of cpu, cuda, vulkan"):
+    with pytest.raises(ConfigError, match="unknown backend 'gpu'; choose one of cpu, cuda or vulkan"):
         check_backend("gpu")
 
 
@@ -89,7 +89,7 @@ def test_sham_control_and_replay_report(tmp_path, model):
     ep, fd = sham_control(m, c, 4)
     assert fd is None and ep.length == 4
     toks = m.tokenize(p.text)
-    with pytest.raises(ConfigError, match="unknown attention layout 'ZZ'; use MQ, PQ or QB"):
+    with pytest.raises(ConfigError, match="unknown attention layout 'ZZ'; choose one of MQ, PQ or QB"):
         replay_layer(m, toks, 0, 2, "ZZ", base)
     rows, cap, lay = replay_layer(m, toks, 0, 2, "mq", base, threads=1)
     assert lay == "MQ" and any(r.status == "qualified" for r in rows)

@@ -8,8 +8,8 @@ from statelab.experiments.campaign import CampaignSpec, report_markdown, run_cam
 from statelab.experiments.masks import mask_lattice
 from statelab.experiments.spec_run import prompt_key, qualify_records
 from statelab.errors import ConfigError, IdentityError
-from statelab.speculative.transaction import (AdaptiveK, Arm, NgramDrafter, PhaseGuard, Runner, SpecConfig, parse_ngram,
-                                              qualify)
+from statelab.speculative.drafters import parse_ngram
+from statelab.speculative.transaction import AdaptiveK, Arm, NgramDrafter, PhaseGuard, Runner, SpecConfig, qualify
 
 CAP = 24
 

@@ -68,7 +68,7 @@ def test_vulkan_generates_and_partition_changes_the_state(vulkan_device):
 
 REFUSAL = """
 import json
-from statelab.audit.admission import device_refusal
+from statelab.runtime.admission import device_refusal
 from statelab.runtime import Model, layouts, prepare_backend
 prepare_backend("vulkan")
 m = Model(None, backend="vulkan")

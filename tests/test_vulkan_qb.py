@@ -38,7 +38,7 @@ if not layouts.vulkan_qb_available():
 """
 
 ORACLE = PRELUDE + """
-from statelab.audit.admission import device_refusal
+from statelab.runtime.admission import device_refusal
 toks = m.tokenize(prompts.humaneval(2).text)
 prefix, block = toks[:-4], toks[-4:]
 cfg = ContextConfig(backend="vulkan", n_ctx=512, n_batch=256, n_ubatch=256)  # n_kv 256 < 512: V is a strided view

@@ -184,7 +184,7 @@ def test_export_without_overwrite_keeps_an_existing_file(tmp_path, cli):
 @pytest.mark.model
 def test_source_backend_is_one_of_the_backends(tmp_path, cli):
     one_line_error(cli("import-state", tmp_path / "none.bin", tmp_path / "o", "--source-backend", "gpu"),
-                   "unknown backend 'gpu'", "cpu, cuda, vulkan")
+                   "unknown backend 'gpu'", "cpu, cuda or vulkan")
     assert list(tmp_path.iterdir()) == []
 
 

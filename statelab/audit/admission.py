@@ -1,118 +1,24 @@
 """Backend admission: do the backends accept the operators the MQ/PQ/QB layouts build? (paper 6.3, S6.3)
 
-A layout can be mathematically legal (the address oracle in :mod:`statelab.audit.oracles`)
-and still be refused by a backend. Here the exact operator shapes of each layout are built
-in a ``no_alloc`` ggml context through ctypes, exactly as ``build_attn_mha`` (and the layout
-patch) builds them from the KV-cache views:
-
-* Q: ``Qcur`` (d, h_Q, q) F32 -> ``permute(0, 2, 1, 3)`` -> (d, q, h_Q);
-* K: the F16 cache (n_embd_k_gqa, kv_size) -> view (d, h_KV, n_kv) -> permute -> (d, n_kv, h_KV);
-* V: the transposed F16 cache -> view (n_kv, h_KV, d) -> permute -> (n_kv, d, h_KV);
-* mask: (n_kv, q, 1, 1) F32;
-* MQ: ``kq = mul_mat(K, Q)``, ``soft_max_ext(kq, mask)``, ``kqv = mul_mat(V, kq)``;
-* QB: Q viewed (d, 1, h_Q, q) with nb[3] = the query-column stride, mask viewed
-  (n_kv, 1, 1, q), then the same three operators (K/V broadcast over dim 3);
-* PQ: per query j, Q column view (d, 1, h_Q, 1) and mask row view (n_kv, 1, 1, 1), the three
-  operators, and ``concat`` of the per-query results along dim 1.
-
-Every registered backend device is asked ``ggml_backend_dev_supports_op(dev, op)`` for every
-operator. The answer is the backend's own declared predicate for that shape: "rejected" is a
-proven refusal; "supported" says only that the predicate accepted it. What the runtime then
-actually built (``layouts.last_admission``, patched build only) is reported next to it.
+The answer itself is a runtime fact (:mod:`statelab.runtime.admission`: each layout's exact
+operators over the KV-cache views, every device asked ``ggml_backend_dev_supports_op``; a run
+asks :func:`~statelab.runtime.admission.device_refusal`).  This audit asks it for every
+attention layout, q and registered device, adds what the patched runtime then actually built
+(``layouts.last_admission``, patched build only) and keeps it as an xarray Dataset for the
+report.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 
 from statelab.errors import ConfigError
 from statelab.runtime import Context, ContextConfig, Model, layouts
-from statelab.runtime.ggml_ops import OpGraph, backend_devices
-from statelab.runtime.layouts import ATTENTION_LAYOUTS, Layout
-from statelab.runtime.native import devices_for_backend
+from statelab.runtime.admission import OPS, AttnShape, attention_operators, device_refusal, operator_admission
+from statelab.runtime.ggml_ops import backend_devices
+from statelab.runtime.layouts import ATTENTION_LAYOUTS
 
 LAYOUTS = ATTENTION_LAYOUTS
-OPS = ("qk", "softmax", "av", "concat")
-
-
-@dataclass(frozen=True)
-class AttnShape:
-    d: int = 64
-    n_kv: int = 256
-    h_q: int = 9
-    h_kv: int = 3
-    kv_size: int = 256
-    scale: float = 0.125
-
-    @classmethod
-    def of_model(cls, model, n_kv: int = 256) -> "AttnShape":
-        i = model.info
-        if i.head_dim_k != i.head_dim_v:
-            raise ConfigError("models with different K and V head sizes are not covered")
-        return cls(i.head_dim_k, n_kv, i.n_head, i.n_head_kv, max(n_kv, 256), 1.0 / float(np.sqrt(i.head_dim_k)))
-
-    def check(self, q: int):
-        if isinstance(q, bool) or not isinstance(q, (int, np.integer)) or q < 1:
-            raise ConfigError(f"q (occupied queries) must be an integer >= 1, got {q!r}")
-        if self.h_kv < 1 or self.h_q % self.h_kv:
-            raise ConfigError(f"non-integral GQA ratio {self.h_q}/{self.h_kv}")
-        if self.n_kv > self.kv_size:
-            raise ConfigError(f"n_kv {self.n_kv} exceeds the cache size {self.kv_size}")
-
-
-def build_layout(g, shape: AttnShape, layout: str, q: int) -> dict:
-    """Build one layout's attention operators in an OpGraph; returns {op: [tensors]}."""
-    if layout not in LAYOUTS:
-        raise ConfigError(f"unknown layout {layout!r}; use MQ, PQ or QB")
-    shape.check(q)
-    d, n, hq, hk, size = shape.d, shape.n_kv, shape.h_q, shape.h_kv, shape.kv_size
-    qcur = g.new_tensor("f32", (d, hq, q), "Qcur")
-    qp = g.permute(qcur, (0, 2, 1, 3), "Qcur (permuted)")
-    kc = g.new_tensor("f16", (d * hk, size), "cache_k")
-    kv = g.view_4d(kc, (d, hk, n, 1), (2 * d, 2 * d * hk, 2 * d * hk * size), 0, "cache_k (view)")
-    kp = g.permute(kv, (0, 2, 1, 3), "cache_k (permuted)")
-    vc = g.new_tensor("f16", (size * d * hk,), "cache_v")
-    vv = g.view_4d(vc, (n, hk, d, 1), (2 * size * d, 2 * size, 2 * size * d * hk), 0, "cache_v (view)")
-    vp = g.permute(vv, (0, 2, 1, 3), "cache_v (permuted)")
-    mask = g.new_tensor("f32", (n, q, 1, 1), "kq_mask")
-    out = {o: [] for o in OPS}
-    if layout == "PQ" and q > 1:
-        prev = None
-        for j in range(q):
-            qj = g.view_4d(qp, (d, 1, hq, 1), qp.nb[1:], j * qp.nb[1], f"q_{j}")
-            mj = g.view_4d(mask, (n, 1, 1, 1), mask.nb[1:], j * mask.nb[1], f"mask_{j}")
-            kq = g.mul_mat(kp, qj, f"kq_pq{j}")
-            sm = g.soft_max_ext(kq, mj, shape.scale, 0.0, f"kq_soft_max_pq{j}")
-            av = g.mul_mat(vp, sm, f"kqv_pq{j}", prec_f32=False)
-            out["qk"].append(kq)
-            out["softmax"].append(sm)
-            out["av"].append(av)
-            if prev is not None:
-                prev = g.concat(prev, av, 1, f"kqv_concat{j}")
-                out["concat"].append(prev)
-            else:
-                prev = av
-        return out
-    qq, mm = qp, mask
-    if layout == "QB" and q > 1:
-        qq = g.view_4d(qp, (d, 1, hq, q), (qp.nb[1], qp.nb[2], qp.nb[1]), 0, "Qcur (qb view)")
-        mm = g.view_4d(mask, (n, 1, 1, q), (mask.nb[1], mask.nb[1], mask.nb[1]), 0, "kq_mask (qb view)")
-    kq = g.mul_mat(kp, qq, "kq")
-    sm = g.soft_max_ext(kq, mm, shape.scale, 0.0, "kq_soft_max")
-    av = g.mul_mat(vp, sm, "kqv", prec_f32=False)
-    out["qk"].append(kq)
-    out["softmax"].append(sm)
-    out["av"].append(av)
-    return out
-
-
-def _shape_text(t) -> str:
-    def fmt(x):
-        return "(" + ",".join(str(v) for v in x.ne) + ")"
-
-    srcs = t.srcs
-    return f"{t.op} {' x '.join(fmt(s) for s in srcs)} -> {fmt(t)}"
+build_layout = attention_operators  # {op: [tensors]} of one layout in an OpGraph
 
 
 def runtime_admission(model, layout: str, q: int, backend_config=None) -> dict:
@@ -151,19 +57,9 @@ def run_admission(shape: AttnShape | None = None, qs=(1, 2, 3, 4), layouts=LAYOU
     rejected = np.full((nD, nY, nQ, nO), "", dtype=object)
     for yi, lo in enumerate(layouts):
         for qi, q in enumerate(qs):
-            with OpGraph(max_tensors=64 + 10 * q) as g:
-                built = build_layout(g, shape, lo, q)
-                for oi, op in enumerate(OPS):
-                    ts = built[op]
-                    n_calls[yi, qi, oi] = len(ts)
-                    if not ts:
-                        continue
-                    shapes[yi, qi, oi] = "; ".join(sorted({_shape_text(t) for t in ts}))
-                    for di, dev in enumerate(devs):
-                        ans = [OpGraph.supports(dev.handle, t) for t in ts]
-                        supported[di, yi, qi, oi] = int(all(ans))
-                        bad = [_shape_text(t) for t, a in zip(ts, ans) if not a]
-                        rejected[di, yi, qi, oi] = "; ".join(sorted(set(bad)))
+            for oi, (op, a) in enumerate(operator_admission(shape, lo, q, devs).items()):
+                n_calls[yi, qi, oi], shapes[yi, qi, oi] = a.calls, a.shapes
+                supported[:, yi, qi, oi], rejected[:, yi, qi, oi] = a.supported, a.rejected
     run = {}
     if model is not None:
         for lo in layouts:
@@ -188,36 +84,13 @@ def run_admission(shape: AttnShape | None = None, qs=(1, 2, 3, 4), layouts=LAYOU
         ds["runtime_reason"] = (("layout", "q"), np.array([[run[(lo, q)]["reason"] for q in qs] for lo in layouts],
                                                           dtype=object).astype(str))
     ds.attrs.update({
-        "title": "statelab backend admission of the MQ/PQ/QB attention operators",
+        "title": "statelab backend admission of the attention layouts' operators",
         "d": shape.d, "n_kv": shape.n_kv, "h_q": shape.h_q, "h_kv": shape.h_kv, "kv_size": shape.kv_size,
         "model_backend": model.backend if model is not None else "",
         "note": "supported = ggml_backend_dev_supports_op accepted every call of that operator; a rejection is "
                 "proven, an acceptance is the backend's declared predicate only (no placement observed)",
     })
     return ds
-
-
-def device_refusal(model, layout: str, q: int) -> str | None:
-    """Why the model's own device would not run `layout`'s attention products for q queries, or None.
-
-    A product the device's ``supports_op`` rejects is not an error in llama.cpp: the graph scheduler
-    quietly runs it on the CPU backend, so an arm would "qualify" without its layout ever running on
-    the device. Callers report such an arm as not admitted instead of running it. QB on Vulkan needs
-    native/patches/0007 (ggml-vulkan's QB products); a build without it is refused with that reason."""
-    lay = Layout.parse(layout)
-    base = lay.attention
-    if not lay.device_must_admit(model.backend) or base == "MQ" or q < 2:
-        return None
-    devs = devices_for_backend(model.backend)[:1]
-    ds = run_admission(AttnShape.of_model(model), qs=[q], layouts=[base], devices=devs)
-    bad = [f"{op} {ds.rejected_shapes.values[0, 0, 0, i]}" for i, op in enumerate(OPS)
-           if ds.supported.values[0, 0, 0, i] == 0]
-    if not bad:
-        return None
-    why = (f"not admitted on {ds.device.values[0]}: its supports_op rejects {'; '.join(bad)} "
-           f"(the scheduler would run them on the CPU)")
-    patch = layouts.patch_refusal(base, model.backend)
-    return why + (f"; {patch}" if patch else "")
 
 
 def admission_markdown(ds) -> str:
@@ -273,5 +146,5 @@ def qb_admission(model_path, backend: str = "cpu") -> tuple[str, str, str]:
                                     "admission only: `statelab spec run` qualifies the arms against R")
 
 
-__all__ = ["AttnShape", "LAYOUTS", "OPS", "admission_markdown", "build_layout", "qb_admission", "run_admission",
-           "runtime_admission"]
+__all__ = ["AttnShape", "LAYOUTS", "OPS", "admission_markdown", "build_layout", "device_refusal", "qb_admission",
+           "run_admission", "runtime_admission"]

@@ -23,10 +23,9 @@ from statelab.errors import ConfigError
 from statelab.lab.formation import REST, Schedule, parse_schedule
 from statelab.runtime import Context, ContextConfig, context_identity, layouts
 from statelab.runtime.ggml_ops import GraphCapture
-from statelab.runtime.layouts import FAMILY_LAYOUTS
+from statelab.runtime.layouts import FAMILY_LAYOUTS, Layout, LayoutError
 
 VIEW_OPS = {"VIEW", "PERMUTE", "RESHAPE", "TRANSPOSE", "NONE"}
-LAYOUT_NAMES = tuple(x.value for x in FAMILY_LAYOUTS)
 KV_PAD = 256  # llama.cpp pads the KV cells a graph sees to 256
 
 _LAYER_SUFFIX = re.compile(r"^(?P<base>.*?)-(?P<layer>\d+)(?P<rest>(?: \(\w+\))*)$")
@@ -67,7 +66,7 @@ class Geometry:
     """A prefill schedule (external submissions + n_ubatch) and an attention layout."""
 
     schedule: Schedule
-    layout: str = "MQ"
+    layout: Layout = Layout.MQ
 
     @property
     def name(self) -> str:
@@ -84,9 +83,10 @@ def parse_geometry(text: str) -> Geometry:
     (row-by-row weight products, native/patches/0003)."""
     t = str(text).strip()
     sched, _, lay = t.partition(":")
-    lay = (lay or "MQ").strip().upper()
-    if lay not in LAYOUT_NAMES:
-        raise ConfigError(f"geometry {text!r}: unknown attention layout {lay!r} (use MQ, PQ or QB, optionally with +W)")
+    try:
+        lay = Layout.parse(lay or "MQ", FAMILY_LAYOUTS, "attention layout")
+    except LayoutError as e:
+        raise ConfigError(f"geometry {text!r}: {e}") from None
     return Geometry(parse_schedule(sched), lay)
 
 
@@ -155,14 +155,15 @@ def context_size(n_tokens: int) -> int:
     return max(KV_PAD, -(-n_tokens // KV_PAD) * KV_PAD)
 
 
-def check_layout(layout: str, backend: str = "cpu") -> None:
-    if layout != "MQ" and not layouts.available():
+def check_layout(layout, backend: str = "cpu") -> None:
+    layout = Layout.parse(layout)
+    if layout.needs_patch and not layouts.available():
         raise ConfigError(f"attention layout {layout} needs the layout patch "
                           "(native/patches/0002-attention-layouts.patch), which this build lacks")
-    if layout.endswith(layouts.REPAIR_SUFFIX) and not layouts.weight_repair_available():
+    if layout.repair and not layouts.weight_repair_available():
         raise ConfigError(f"layout {layout} needs the weight-product patch "
                           "(native/patches/0003-row-invariant-weight-products.patch), which this build lacks")
-    why = layouts.patch_refusal(layout, backend) if layout != "MQ" else None
+    why = layouts.patch_refusal(layout, backend) if layout.needs_patch else None
     if why:
         raise ConfigError(why)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import struct
 from dataclasses import dataclass, field
@@ -41,12 +42,11 @@ from statelab.errors import ConfigError, IdentityError
 from statelab.lab.formation import Schedule
 from statelab.paths import atomic_write_bytes, atomic_write_netcdf, atomic_write_text, read_json_record
 from statelab.runtime import Context, ContextConfig, layouts as lay_api
-from statelab.runtime.layouts import ATTENTION_LAYOUTS
+from statelab.runtime.layouts import ATTENTION, ATTENTION_LAYOUTS, STAGES, Layout, attention
 
 PHASES = ("prefill", "continuation")
 LAYOUTS = ATTENTION_LAYOUTS
-STAGES = ("qk", "softmax", "av")
-PAIRS = (("MQ", "PQ"), ("MQ", "QB"), ("PQ", "QB"))
+PAIRS = tuple(itertools.combinations(LAYOUTS, 2))
 MAX_Q = 4
 NOT_AVAILABLE = "not available (patch missing)"
 
@@ -129,27 +129,14 @@ def extract_attention(run, layer: int, micro_batch: tuple[int, int] | None = Non
     kn = one("cache_k (view) (permuted)", "PERMUTE")
     vn = one("cache_v (view) (permuted)", "PERMUTE")
     nq = int(qn.ne[1])
-    pq = sorted((k for k in by if k.startswith("kq_pq")), key=lambda s: int(s[5:]))
-    if pq:
-        layout = "PQ"
-        kq = [one(f"kq_pq{j}", "MUL_MAT") for j in range(nq)]
-        sm = [one(f"kq_soft_max_pq{j}", "SOFT_MAX") for j in range(nq)]
-        av = [one(f"kqv_pq{j}", "MUL_MAT") for j in range(nq)]
-        outs = {
-            "qk": np.stack([np.asarray(t.data)[0, :, 0, :] for t in kq], axis=1),
-            "softmax": np.stack([np.asarray(t.data)[0, :, 0, :] for t in sm], axis=1),
-            "av": np.stack([np.asarray(t.data)[0, :, 0, :] for t in av], axis=1),
-        }
-    else:
-        kq, sm, av = [one("kq", "MUL_MAT")], [one("kq_soft_max", "SOFT_MAX")], [one("kqv", "MUL_MAT")]
-        if kq[0].ne[1] == 1 and kq[0].ne[3] == nq and nq > 1:
-            layout = "QB"
-            outs = {s: np.asarray(t[0].data)[:, :, 0, :].transpose(1, 0, 2)
-                    for s, t in (("qk", kq), ("softmax", sm), ("av", av))}
-        else:
-            layout = "MQ"
-            outs = {s: np.asarray(t[0].data)[0] for s, t in (("qk", kq), ("softmax", sm), ("av", av))}
-    outs = {k: np.ascontiguousarray(v) for k, v in outs.items()}
+    # the layout the library built: the first whose node names are there and whose QK extents fit (MQ last)
+    for att in sorted(ATTENTION.values(), key=lambda a: a.layout is Layout.MQ):
+        names = att.names(nq)
+        if all(by.get(x) for x in names["qk"]) and att.recognises(one(names["qk"][0], "MUL_MAT").ne, nq):
+            break
+    layout = att.layout.value
+    kq, sm, av = ([one(x, op) for x in names[s]] for s, op in zip(STAGES, ("MUL_MAT", "SOFT_MAX", "MUL_MAT")))
+    outs = {s: att.native_order([t.data for t in ts]) for s, ts in zip(STAGES, (kq, sm, av))}
     msrc = sm[0].srcs[1] if len(sm[0].srcs) > 1 else None
     if msrc is None or msrc.data is None:
         raise ConfigError(f"layer {layer}: the softmax mask operand was not captured")
@@ -165,7 +152,7 @@ def extract_attention(run, layer: int, micro_batch: tuple[int, int] | None = Non
     }
     consumed = {}
     for j, (a, b, c) in enumerate(zip(kq, sm, av)):
-        tag = f"[{j}]" if layout == "PQ" else ""
+        tag = f"[{j}]" if len(kq) > 1 else ""
         consumed[f"qk{tag}.src0"] = _desc(a.srcs[0])
         consumed[f"qk{tag}.src1"] = _desc(a.srcs[1])
         consumed[f"softmax{tag}.mask"] = _desc(b.srcs[1])
@@ -182,26 +169,12 @@ def extract_attention(run, layer: int, micro_batch: tuple[int, int] | None = Non
 def view_maps_ok(cap: AttnCapture) -> bool:
     """Do the views the layout handed to QK read the canonical Q operand (query j, head a)?"""
     q = np.asarray(cap.operands["q"].data)[0]  # (h_Q, q, d)
-    for n in cap.nodes:
-        canon = parse_node_name(n.name, n.op)[0]
-        if n.op != "MUL_MAT" or not canon.startswith("kq") or canon.startswith("kqv"):
-            continue
-        s1 = n.srcs[1]
-        if s1.data is None:
-            return False
-        a = np.asarray(s1.data)
-        if cap.layout == "QB":
-            got = a[:, :, 0, :].transpose(1, 0, 2)  # (q, H, 1, d) -> (H, q, d)
-            if not np.array_equal(got, q):
-                return False
-        elif cap.layout == "PQ":
-            j = int(canon[5:])
-            if not np.array_equal(a[0, :, 0, :], q[:, j, :]):
-                return False
-        else:
-            if not np.array_equal(a[0], q):
-                return False
-    return True
+    att = attention(cap.layout, cap.q)
+    by = {parse_node_name(n.name, n.op)[0]: n for n in cap.nodes if n.op == "MUL_MAT"}
+    reads = [by.get(x) for x in att.names(cap.q)["qk"]]
+    if any(n is None or n.srcs[1].data is None for n in reads):
+        return False
+    return np.array_equal(att.native_order([n.srcs[1].data for n in reads]), q)
 
 
 # --------------------------------------------------------------------------- runs
@@ -319,13 +292,11 @@ def run_e1(model, prompt_tokens, *, layers=None, phases=PHASES, qs=(1, 2, 3, 4),
     for ph in phases:
         if ph not in PHASES:
             raise ConfigError(f"unknown phase {ph!r}; use prefill and/or continuation")
-    for lo in layouts:
-        if lo not in LAYOUTS:
-            raise ConfigError(f"unknown layout {lo!r}; use MQ, PQ, QB")
+    layouts = [Layout.parse(lo, LAYOUTS, "attention layout").value for lo in layouts]
     toks = np.asarray(prompt_tokens, dtype=np.int32)
     if len(toks) < max(qs):
         raise ConfigError(f"the prompt has {len(toks)} tokens, fewer than q={max(qs)}")
-    avail = {lo: (not lay_api.Layout(lo).needs_patch or lay_api.available()) for lo in layouts}
+    avail = {lo: (not Layout(lo).needs_patch or lay_api.available()) for lo in layouts}
     cont = continuation_tokens(model, toks, max(qs), base_config) if "continuation" in phases else None
     runs: dict[tuple, PhaseRun] = {}
     for ph in phases:
@@ -429,7 +400,7 @@ def run_e1(model, prompt_tokens, *, layers=None, phases=PHASES, qs=(1, 2, 3, 4),
     )
     any_cap = next(iter(runs.values())).captures[layers[0]] if runs else None
     ds.attrs.update({
-        "title": "statelab E1: same-input attention correspondence (MQ/PQ/QB)",
+        "title": "statelab E1: same-input attention correspondence of " + "/".join(LAYOUTS),
         "n_prompt": int(len(toks)), "layouts_available": ",".join(lo for lo in layouts if avail[lo]),
         "layout_patch": int(lay_api.available()),
         "head_map": (f"query head a -> KV head a // {len(any_cap.head_map) // (max(any_cap.head_map) + 1)} "

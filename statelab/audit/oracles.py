@@ -52,6 +52,8 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from statelab.runtime.layouts import ATTENTION_LAYOUTS, Layout
+
 if TYPE_CHECKING:  # pragma: no cover
     import xarray as xr
 
@@ -76,7 +78,8 @@ __all__ = [
     "Fault",
     "Fixture",
     "FixtureData",
-    "Layout",
+    "ADDRESS_MODELS",
+    "AddressModel",
     "MQLayout",
     "NativeTensors",
     "OracleReport",
@@ -84,6 +87,7 @@ __all__ = [
     "QBLayout",
     "TensorDesc",
     "Violation",
+    "address_model",
     "audit_markdown",
     "check_qb_addressing",
     "evaluate_layout",
@@ -304,8 +308,10 @@ class AttnCall:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Base of the layout descriptions: builds a fixture's attention calls.
+class AddressModel:
+    """The address model of one attention layout (``layout``, a :class:`statelab.runtime.layouts.Layout`
+    whose :class:`~statelab.runtime.layouts.Attention` object builds the same views in ggml):
+    builds a fixture's attention calls.
 
     kv_head_map  "broadcast": ggml mul_mat's src0 broadcast (query head a reads KV head
                  a // (h_Q/h_KV)); "repeat": K/V tiled to h_Q heads as ggml_repeat would
@@ -315,24 +321,24 @@ class Layout:
     kv_head_map: Literal["broadcast", "repeat"] = "broadcast"
     out_perm: tuple[int, int, int, int] = (0, 2, 1, 3)
 
-    kind = "?"
+    layout = Layout.MQ
 
     @property
     def name(self) -> str:
         defaults = type(self)()
         diffs = [f"{f}={getattr(self, f)}" for f in self.__dataclass_fields__
                  if getattr(self, f) != getattr(defaults, f)]
-        return self.kind + (f"[{','.join(diffs)}]" if diffs else "")
+        return self.layout.value + (f"[{','.join(diffs)}]" if diffs else "")
 
     def calls(self, nat: NativeTensors, fx: Fixture) -> list[AttnCall]:  # pragma: no cover
         raise NotImplementedError
 
 
 @dataclass(frozen=True)
-class MQLayout(Layout):
+class MQLayout(AddressModel):
     """The native multi-query graph: one call over all queries."""
 
-    kind = "MQ"
+    layout = Layout.MQ
 
     def calls(self, nat, fx):
         N, H = fx.q, fx.h_q
@@ -342,10 +348,10 @@ class MQLayout(Layout):
 
 
 @dataclass(frozen=True)
-class PQLayout(Layout):
+class PQLayout(AddressModel):
     """One attention sub-graph per query: q column j, mask column j, outputs concatenated."""
 
-    kind = "PQ"
+    layout = Layout.PQ
 
     def calls(self, nat, fx):
         H, out = fx.h_q, []
@@ -360,7 +366,7 @@ class PQLayout(Layout):
 
 
 @dataclass(frozen=True)
-class QBLayout(Layout):
+class QBLayout(AddressModel):
     """The query-to-batch view. Defaults are the correct layout; other values are faults.
 
     q_nb3          which original query stride becomes the view's fourth-axis stride
@@ -379,7 +385,7 @@ class QBLayout(Layout):
     mask_columns: Literal["per_query", "shared"] = "per_query"
     kv_batch: Literal["shared", "strided"] = "shared"
 
-    kind = "QB"
+    layout = Layout.QB
 
     def calls(self, nat, fx):
         qn, m = nat.q, nat.mask
@@ -398,12 +404,20 @@ class QBLayout(Layout):
         return [AttnCall(qd, k, nat.v, md, lj, la, self.kv_head_map, self.out_perm, 0)]
 
 
+ADDRESS_MODELS = {m.layout: m for m in (MQLayout, PQLayout, QBLayout)}
+
+
+def address_model(layout) -> AddressModel:
+    """The correct address model of an attention layout (every one of ``ATTENTION_LAYOUTS`` has one)."""
+    return ADDRESS_MODELS[Layout.parse(layout, ATTENTION_LAYOUTS, "attention layout")]()
+
+
 @dataclass(frozen=True)
 class Fault:
     """An injected QB fault and the obligation that must detect it."""
 
     name: str
-    layout: Layout
+    layout: AddressModel
     obligation: str
     description: str
 
@@ -538,7 +552,7 @@ def _preconditions(call: AttnCall, fx: Fixture, col: _Collector, ci: int) -> boo
     return ok
 
 
-def check_qb_addressing(fixture: Fixture, layout: Layout | None = None) -> OracleReport:
+def check_qb_addressing(fixture: Fixture, layout: AddressModel | None = None) -> OracleReport:
     """Integer address oracle: check ``layout`` (default :class:`QBLayout`) against the
     native MQ addressing of ``fixture`` for every logical coordinate.
 
@@ -889,7 +903,7 @@ def _canonical_fp64(q, kpanels, kidx, mask, vpanels, vidx, scale) -> dict[str, n
 F32_KERNELS = ("einsum", "matmul")
 
 
-def evaluate_layout(data: FixtureData, layout: Layout | None = None, *,
+def evaluate_layout(data: FixtureData, layout: AddressModel | None = None, *,
                     src1_f16: bool = False, f32_kernel: str = "einsum") -> dict[str, dict[str, np.ndarray]]:
     """Compute attention by reading every operand through ``layout``'s addressing.
 
@@ -952,7 +966,7 @@ class _Plan:
 
 
 @functools.lru_cache(maxsize=16)
-def _layout_plan(fx: Fixture, layout: Layout) -> _Plan:
+def _layout_plan(fx: Fixture, layout: AddressModel) -> _Plan:
     """Every address a layout reads, for one fixture (data-independent, so cached)."""
     nat = fx.native()
     d, dv, n, Q, HQ = fx.d, fx.d_v, fx.n_kv, fx.q, fx.h_q
@@ -1115,7 +1129,7 @@ def run_layout_audit(*, quick: bool = False, fixture_list=None, patterns=PATTERN
     import xarray as xr
 
     fxs = tuple(fixture_list) if fixture_list is not None else fixtures(quick=quick)
-    lays = tuple(layouts) if layouts is not None else (MQLayout(), PQLayout(), QBLayout())
+    lays = tuple(layouts) if layouts is not None else tuple(address_model(x) for x in ATTENTION_LAYOUTS)
     pats = tuple(patterns)
     exact = tuple(p for p in pats if p in EXACT_PATTERNS)
     nF, nL, nO, nX, nP, nS, nR = len(fxs), len(lays), len(OBLIGATIONS), len(FAULTS), len(pats), len(STAGES), len(PRECISIONS)

@@ -29,9 +29,10 @@ import numpy as np
 
 from statelab.audit.capture import VIEW_OPS, Geometry, check_layer, name_layer, parse_node_name, run_graph
 from statelab.audit.e1 import MAX_Q, AttnCapture, LAYOUTS, PAIRS, STAGES, _diff, _f32, extract_attention
-from statelab.errors import ConfigError, one_of
+from statelab.errors import ConfigError
 from statelab.lab.formation import Schedule
 from statelab.runtime.ggml_ops import OpGraph, backend_devices
+from statelab.runtime.layouts import Layout, attention
 
 REPLAY_OPS = ("MUL_MAT", "SOFT_MAX", "RMS_NORM", "MUL", "ADD")
 
@@ -52,57 +53,20 @@ def _device(device):
     raise ConfigError(f"no backend device named {device!r} (have: {', '.join(d.name for d in devs)})")
 
 
-def _canonical(layout: str, outs: dict, q: int) -> dict:
-    if layout == "PQ":
-        return {s: np.ascontiguousarray(np.stack([np.asarray(a)[0, :, 0, :] for a in outs[s]], axis=1))
-                for s in STAGES}
-    if layout == "QB" and q > 1:
-        return {s: np.ascontiguousarray(np.asarray(outs[s][0])[:, :, 0, :].transpose(1, 0, 2)) for s in STAGES}
-    return {s: np.ascontiguousarray(np.asarray(outs[s][0])[0]) for s in STAGES}
-
-
 def replay_attention(cap: AttnCapture, layout: str, device=None, threads: int | None = None) -> dict:
     """Re-run a captured attention layer's operands as `layout`; outputs in native order."""
-    if layout not in LAYOUTS:
-        raise ConfigError(f"unknown layout {layout!r}; use MQ, PQ, QB")
+    att = attention(layout, cap.q)
     dev = _device(device)
     ops = cap.operands
-    q = cap.q
-    with OpGraph(max_tensors=64 + 8 * q) as g:
-        inputs = {}
-        tq, i1 = g.operand(ops["q"].type, ops["q"].ne, ops["q"].nb, ops["q"].data, "q")
-        tk, i2 = g.operand(ops["k"].type, ops["k"].ne, ops["k"].nb, ops["k"].data, "k")
-        tv, i3 = g.operand(ops["v"].type, ops["v"].ne, ops["v"].nb, ops["v"].data, "v")
-        tm, i4 = g.operand(ops["mask"].type, ops["mask"].ne, ops["mask"].nb, ops["mask"].data, "mask")
-        for d in (i1, i2, i3, i4):
-            inputs.update(d)
-        qnb, mnb = tq.nb, tm.nb
-        outs = {s: [] for s in STAGES}
-        if layout == "PQ" and q > 1:
-            for j in range(q):
-                qj = g.view_4d(tq, (tq.ne[0], 1, tq.ne[2], 1), qnb[1:], j * qnb[1], f"q_{j}")
-                mj = g.view_4d(tm, (tm.ne[0], 1, 1, 1), mnb[1:], j * mnb[1], f"mask_{j}")
-                kq = g.mul_mat(tk, qj, f"kq_pq{j}")
-                sm = g.soft_max_ext(kq, mj, cap.scale, cap.max_bias, f"kq_soft_max_pq{j}")
-                av = g.mul_mat(tv, sm, f"kqv_pq{j}", prec_f32=False)
-                outs["qk"].append(kq)
-                outs["softmax"].append(sm)
-                outs["av"].append(av)
-            lay = "PQ"
-        else:
-            qq, mm = tq, tm
-            if layout == "QB" and q > 1:
-                qq = g.view_4d(tq, (tq.ne[0], 1, tq.ne[2], q), (qnb[1], qnb[2], qnb[1]), 0, "q_qb")
-                mm = g.view_4d(tm, (tm.ne[0], 1, 1, q), (mnb[1], mnb[1], mnb[1]), 0, "mask_qb")
-            kq = g.mul_mat(tk, qq, "kq")
-            sm = g.soft_max_ext(kq, mm, cap.scale, cap.max_bias, "kq_soft_max")
-            av = g.mul_mat(tv, sm, "kqv", prec_f32=False)
-            outs = {"qk": [kq], "softmax": [sm], "av": [av]}
-            lay = layout if q > 1 else "MQ"
-        flat = [t for s in STAGES for t in outs[s]]
-        res = g.compute(flat, inputs, dev, threads)
-        arrays = {s: [res[t.name] for t in outs[s]] for s in STAGES}
-    return _canonical(lay, arrays, q)
+    with OpGraph(max_tensors=64 + 10 * cap.q) as g:
+        inputs, t = {}, {}
+        for role in ("q", "k", "v", "mask"):
+            o = ops[role]
+            t[role], i = g.operand(o.type, o.ne, o.nb, o.data, role)
+            inputs.update(i)
+        outs = att.build(g, t["q"], t["k"], t["v"], t["mask"], cap.scale, cap.max_bias)
+        res = g.compute([x for s in STAGES for x in outs[s]], inputs, dev, threads)
+        return {s: att.native_order([res[x.name] for x in outs[s]]) for s in STAGES}
 
 
 def _eq(a, b) -> bool:
@@ -336,9 +300,7 @@ def replay_layer(model, tokens, layer: int, q: int, layout: str, base_config=Non
         raise ConfigError(f"--q must be in 1..{MAX_Q} (occupied queries), got {q}")
     if len(tokens) < q:
         raise ConfigError(f"the prompt has {len(tokens)} tokens, fewer than q={q}")
-    lay = layout.strip().upper()
-    if lay not in LAYOUTS:
-        raise ConfigError(f"unknown attention layout {layout!r}; use {one_of(LAYOUTS)}")
+    lay = Layout.parse(layout, LAYOUTS, "attention layout").value
 
     def mine(name):
         return name_layer(name) == layer
@@ -355,7 +317,7 @@ def replay_report(title: str, rows: list[OpReplay], cap: AttnCapture, device=Non
     lines = [f"# Replay: {title}", ""]
     if rows:
         lines.append(ops_markdown(rows))
-    lines += ["## Attention operands replayed as MQ / PQ / QB", "",
+    lines += [f"## Attention operands replayed as {' / '.join(LAYOUTS)}", "",
               "| layout | qk | softmax | av |", "| --- | --- | --- | --- |"]
     results = {}
     for lo in LAYOUTS:
@@ -369,8 +331,10 @@ def replay_report(title: str, rows: list[OpReplay], cap: AttnCapture, device=Non
                 fin = np.isfinite(a) & np.isfinite(b)
                 cells.append(f"≠ native (max abs diff {float(np.abs(a[fin].astype(np.float64) - b[fin]).max()):.3g})")
         lines.append(f"| {lo} | " + " | ".join(cells) + " |")
-    lines.append(f"\nNative capture was built as {cap.layout}; PQ vs QB replay bitwise equal at every stage: "
-                 f"{all(results['PQ'][s].tobytes() == results['QB'][s].tobytes() for s in STAGES)}.")
+    same = [f"{x} vs {y} replay bitwise equal at every stage: "
+            f"{all(results[x][s].tobytes() == results[y][s].tobytes() for s in STAGES)}"
+            for x, y in PAIRS if Layout.MQ not in (x, y)]
+    lines.append(f"\nNative capture was built as {cap.layout}; {'; '.join(same)}.")
     return "\n".join(lines) + "\n"
 
 

@@ -13,6 +13,7 @@ import typer
 from statelab.cli.common import (BackendLongOpt, BackendOpt, HumanEvalOpt, ModelOpt, PromptFileOpt, PromptOpt,
                                  ThreadsOpt, app, console, err, print_text, prompt_of, setup)
 from statelab.limits import int_list
+from statelab.runtime.layouts import ATTENTION_LAYOUTS
 
 audit_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="Layout oracles, E1 attention correspondence on the model, backend admission.")
@@ -38,7 +39,7 @@ def _report(out: Optional[Path], md: str, ds) -> None:
 @audit_app.command("layouts")
 def audit_layouts(quick: bool = typer.Option(False, "--quick", help="a small fixture subset"),
                   out: Optional[Path] = AuditOutOpt):
-    """Integer address oracle, fault injection and FP64/F32 oracles of MQ/PQ/QB (no model)."""
+    """Integer address oracle, fault injection and FP64/F32 oracles of every attention layout (no model)."""
     from statelab.audit.oracles import audit_markdown, run_layout_audit
 
     ds, passed = run_layout_audit(quick=quick)
@@ -52,7 +53,7 @@ def audit_backends(model: Optional[Path] = ModelOpt, backend: str = BackendOpt,
                    qs: str = typer.Option("1,2,3,4", "--q", help="occupied query counts"),
                    n_kv: int = typer.Option(256, "--n-kv", help="KV extent of the operator shapes"),
                    out: Optional[Path] = AuditOutOpt):
-    """Ask every backend device whether it supports the MQ/PQ/QB attention operators
+    """Ask every backend device whether it supports the attention operators of every layout
     (ggml_backend_dev_supports_op), next to what the runtime built."""
     from statelab.audit.admission import AttnShape, admission_markdown, run_admission
     from statelab.errors import ConfigError
@@ -86,11 +87,11 @@ def audit_e1(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
              layers: str = typer.Option("first,middle,last", "--layers", help="target layers"),
              phases: str = typer.Option("prefill,continuation", "--phases"),
              qs: str = typer.Option("1,2,3,4", "--q", help="occupied query counts (1..4)"),
-             layouts_: str = typer.Option("MQ,PQ,QB", "--layouts"),
+             layouts_: str = typer.Option(",".join(ATTENTION_LAYOUTS), "--layouts"),
              replay: bool = typer.Option(True, "--replay/--no-replay", help="also replay the frozen MQ operands "
-                                         "as MQ/PQ/QB standalone graphs"),
+                                         "as every attention layout's standalone graphs"),
              backend: str = BackendLongOpt, threads: int = ThreadsOpt, out: Optional[Path] = AuditOutOpt):
-    """E1: capture Q/K/V/mask and QK/softmax/AV at target layers under MQ, PQ and QB
+    """E1: capture Q/K/V/mask and QK/softmax/AV at target layers under every attention layout
     (controls first), compare bitwise with max |d| and ULP (default prompt HumanEval/2)."""
     from statelab.audit.capture import parse_layers
     from statelab.audit.e1 import e1_markdown, run_e1, write_e1
@@ -101,7 +102,7 @@ def audit_e1(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
     toks = m.tokenize(p.text)
     lay = parse_layers(layers, m.n_layer) or list(range(m.n_layer))
     ds, detail = run_e1(m, toks, layers=lay, phases=tuple(x.strip() for x in phases.split(",") if x.strip()),
-                        qs=int_list(qs, "--q"), layouts=tuple(x.strip().upper() for x in layouts_.split(",")),
+                        qs=int_list(qs, "--q"), layouts=tuple(x for x in layouts_.split(",") if x.strip()),
                         base_config=base, progress=lambda s: err.print(f"[dim]{s}[/dim]"))
     ds.attrs["prompt"] = p.id
     md = f"Prompt: {p.id} ({len(toks)} tokens)\n\n" + e1_markdown(ds)
@@ -121,14 +122,14 @@ def replay_cmd(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Hum
                layer: int = typer.Option(0, "--layer", "-l", help="layer whose operator calls are replayed"),
                q: int = typer.Option(4, "--q", help="occupied queries of the captured micro-batch (1..4)"),
                layout: str = typer.Option("MQ", "--layout", help="attention layout of the native capture "
-                                          "(PQ/QB need the layout patch)"),
+                                          "(all but MQ need the layout patch)"),
                capture_dir: Optional[Path] = typer.Option(None, "--capture", help="replay a saved attention "
                                                           "capture (from 'audit e1 --out') instead"),
                device: Optional[str] = typer.Option(None, "--device", help="backend device for the replay "
                                                     "(default: CPU)"),
                backend: str = BackendLongOpt, threads: int = ThreadsOpt, out: Optional[Path] = AuditOutOpt):
     """Operator replay: re-run captured operator calls of a layer (own-path correspondence,
-    in-place aliasing excluded) and its attention operands as MQ/PQ/QB standalone graphs."""
+    in-place aliasing excluded) and its attention operands as every attention layout's standalone graphs."""
     from statelab.audit.e1 import load_capture
     from statelab.audit.outputs import write_report
     from statelab.audit.replay import replay_layer, replay_report

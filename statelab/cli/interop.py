@@ -10,6 +10,7 @@ import typer
 
 from statelab.cli.common import (BackendOpt, CtxOpt, HumanEvalOpt, ModelOpt, PromptFileOpt, PromptOpt, ThreadsOpt,
                                  SourceBackendOpt, app, console, load_capture_dir, optional_prompt, setup)
+from statelab.lab.formation import SCHEDULES_TEXT
 
 
 @app.command("import-state")
@@ -26,8 +27,8 @@ def import_state(file: Path = typer.Argument(..., help="llama.cpp state file (ll
                      None, "--flash-attn/--no-flash-attn", help="the recipient's attention (default: from the state: "
                      "an untransposed V, as llama.cpp writes with flash attention, turns it on)"),
                  schedule: Optional[str] = typer.Option(
-                     None, "--schedule", "-s", help="the formation the state comes from, when known (A, B, C, R, "
-                     "128+rest@ub64 ...): recorded, and checked by sham")):
+                     None, "--schedule", "-s", help=f"the formation the state comes from, when known ({SCHEDULES_TEXT}): "
+                     "recorded, and checked by sham")):
     """Import a llama.cpp state file as a verified capture (tokens, vocabulary, geometry checked)."""
     from statelab.lab.archive import save_capture
     from statelab.lab.formation import parse_schedule

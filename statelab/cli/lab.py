@@ -16,6 +16,9 @@ from rich.table import Table
 from statelab.cli.common import (BackendOpt, CapOpt, CaptureModelOpt, CtxOpt, HumanEvalOpt, JsonOpt, ModelOpt,
                                  PromptFileOpt, PromptOpt, ThreadsOpt, app, backend_name, console, load_capture_dir,
                                  model_for, print_endpoint, prompt_of, setup)
+from statelab.errors import one_of
+from statelab.kvstate import KV_TYPE_NAMES
+from statelab.lab.formation import SCHEDULES_TEXT
 
 
 @app.command()
@@ -48,12 +51,12 @@ def generate(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
 def capture(out: Path = typer.Argument(..., help="output folder (must not exist)"),
             prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEvalOpt,
             prompt_file: Optional[Path] = PromptFileOpt, schedule: str = typer.Option("A", "--schedule", "-s",
-            help="A, B, C, R or explicit like 132+1, 128+rest@ub64, ub16"),
+            help=SCHEDULES_TEXT),
             model: Optional[Path] = ModelOpt, backend: str = BackendOpt, threads: int = ThreadsOpt,
             n_ctx: int = CtxOpt, overwrite: bool = typer.Option(False, help="replace an existing capture (only a "
                                                                   "capture that verifies is replaced)"),
-            cache_type_k: str = typer.Option("f16", "--cache-type-k", help="K cache type: f32, f16, bf16, q8_0"),
-            cache_type_v: str = typer.Option("f16", "--cache-type-v", help="V cache type: f32, f16, bf16, q8_0 "
+            cache_type_k: str = typer.Option("f16", "--cache-type-k", help=f"K cache type: {one_of(KV_TYPE_NAMES)}"),
+            cache_type_v: str = typer.Option("f16", "--cache-type-v", help=f"V cache type: {one_of(KV_TYPE_NAMES)} "
                                              "(q8_0 needs --flash-attn)"),
             flash_attn: bool = typer.Option(False, "--flash-attn", help="flash attention (V stored untransposed)")):
     """Form a state with a prefill schedule and archive it (KV, initial FP32 logits, identities)."""

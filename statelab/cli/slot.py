@@ -9,9 +9,7 @@ from typing import Optional
 import typer
 
 from statelab.cli.common import (BackendOpt, CtxOpt, HumanEvalOpt, PromptFileOpt, PromptOpt, ThreadsOpt, app,
-                                 console, load_capture_dir, optional_prompt, setup)
-from statelab.errors import ConfigError, one_of
-from statelab.runtime.native import BACKENDS
+                                 backend_name, console, load_capture_dir, optional_prompt, setup)
 
 slot_app = typer.Typer(add_completion=False, no_args_is_help=True,
                        help="A running llama-server's slots: save one as a capture, restore a capture into one.")
@@ -36,7 +34,7 @@ def save(out: Path = typer.Argument(..., help="output capture folder (must not e
          logits: str = typer.Option("recompute", "--logits", help="recompute (re-evaluate the last token; the file "
                                     "holds no logits) or none"),
          backend: str = BackendOpt, source_backend: Optional[str] = typer.Option(
-             None, "--source-backend", help="the backend the server runs on (it does not report it); without it the "
+             None, "--source-backend", callback=backend_name, help="the backend the server runs on (it does not report it); without it the "
              "capture's backend is unknown and continuing it needs --allow-backend"),
          threads: int = ThreadsOpt, n_ctx: int = CtxOpt, timeout: float = TimeoutOpt, keep_file: bool = KeepOpt):
     """Ask the server to save a slot (POST /slots/N?action=save) and import it as a verified capture."""
@@ -44,8 +42,6 @@ def save(out: Path = typer.Argument(..., help="output capture folder (must not e
     from statelab.lab.server import Server, save_slot_capture, server_model_path
 
     check_capture_dest(out)
-    if source_backend is not None and source_backend not in BACKENDS:
-        raise ConfigError(f"--source-backend must be {one_of(BACKENDS)}, got {source_backend!r}")
     srv = Server(url, timeout)
     p = optional_prompt(prompt, humaneval, prompt_file)
     m, base = setup(model or server_model_path(srv), backend, threads, n_ctx)

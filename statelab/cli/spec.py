@@ -13,8 +13,13 @@ from rich.table import Table
 
 from statelab.cli.common import (BackendOpt, CapOpt, HumanEvalOpt, ModelOpt, PromptFileOpt, PromptOpt, ThreadsOpt,
                                  app, console, err, prompt_of)
+from statelab.errors import one_of
 from statelab.paths import atomic_write_text
+from statelab.runtime.layouts import Layout
 
+# the arm names of speculative.transaction.ARM_NAMES, from the layouts (that module would load xarray at start)
+ARMS_HELP = (f"comma list of R, M0, C0 and M_x (target only) or C_x (draft + target) for x in "
+             f"{one_of(x for x in Layout if x.in_arms and x is not Layout.MQ)} (+W: row-by-row weight products)")
 spec_app = typer.Typer(no_args_is_help=True, help="The QB speculative path: arms, qualification, timing.")
 app.add_typer(spec_app, name="spec")
 DraftOpt = typer.Option("self", "--draft", help="the drafter: 'self' (the target), 'derive:N' (its first N layers), a "
@@ -31,8 +36,7 @@ FixedRowsOpt = typer.Option(False, "--fixed-rows/--exact-rows", help="every veri
 @spec_app.command("run")
 def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEvalOpt,
              prompt_file: Optional[Path] = PromptFileOpt,
-             arms: str = typer.Option("R,M0,M_QB,C_QB", help="comma list of R, M0, C0, M_QB, M_PQ, M_GS, C_QB, C_PQ, "
-                                      "C_GS, M_QB+W, M_PQ+W, C_QB+W, C_PQ+W (+W: row-by-row weight products)"),
+             arms: str = typer.Option("R,M0,M_QB,C_QB", help=ARMS_HELP),
              k: int = typer.Option(3, help="draft proposals per cycle"),
              k_max: Optional[int] = KMaxOpt, fixed_rows: bool = FixedRowsOpt,
              ubatch: int = typer.Option(0, help="target ubatch (0: k_max+1, one micrograph per verify)"),

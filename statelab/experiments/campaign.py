@@ -13,7 +13,7 @@ import numpy as np
 
 from statelab import prompts
 from statelab.analysis.classes import bootstrap_ratio_interval
-from statelab.audit.admission import device_refusal
+from statelab.runtime.admission import device_refusal
 from statelab.errors import ConfigError
 from statelab.experiments import engine
 from statelab.experiments.engine import Kind, Summary

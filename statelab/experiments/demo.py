@@ -21,22 +21,22 @@ from statelab.experiments.matrix.progress import RichReporter
 from statelab.experiments.matrix.runner import run_study
 from statelab.experiments.matrix.spec import spec_from_data
 from statelab.experiments.partition import partition_dataset, study_prompt
-from statelab.lab.formation import PRESETS
+from statelab.lab.formation import differing_arms
 from statelab.lab.receiver import check_cap
 from statelab.errors import ConfigError
 from statelab.paths import atomic_write_netcdf, atomic_write_text, output_lock
 from statelab.runtime import ContextConfig, Model, prepare_backend
+from statelab.runtime.native import backend_info
 
 
 def default_tasks(backend: str) -> str:
-    """Prompts whose natural endpoints differ between the backend's arms (measured: docs/findings.md)."""
-    return "HumanEval/0,HumanEval/2,HumanEval/10" if backend == "cpu" else "HumanEval/10,HumanEval/20,HumanEval/86"
+    """Prompts whose natural endpoints differ between the backend's arms (``runtime.native.Backend``)."""
+    return ",".join(backend_info(backend).tasks)
 
 
 def default_matrix_tasks(backend: str) -> list[str]:
-    """One prompt longer than 128 tokens (PREFIX and TAIL differ) and one shorter; on CPU both have A/R
-    natural endpoints that differ within 48 outputs (HumanEval/20 at 18, HumanEval/2 at 26)."""
-    return ["HumanEval/20", "HumanEval/2"] if backend == "cpu" else ["HumanEval/10", "HumanEval/86"]
+    """The selector matrix's prompts on the backend (``runtime.native.Backend.matrix_tasks``)."""
+    return list(backend_info(backend).matrix_tasks)
 
 
 SELECTOR_MATRIX = ["EMPTY", "ALL", "L0_K", "L0_V", "L0", "K_ALL", "V_ALL", "EARLY", "MIDDLE", "LATE", "PREFIX",
@@ -79,8 +79,8 @@ def selector_matrix(console, model_path, backend: str, arms: dict, tasks: list[s
 
 
 def arms_for(backend: str) -> dict:
-    names = ("A", "R") if backend == "cpu" else ("A", "B", "C")
-    return {n: PRESETS[n] for n in names}
+    """The presets that form different states on the backend (``runtime.native.Backend.arms``)."""
+    return differing_arms(backend)
 
 
 def _cell(v) -> str:

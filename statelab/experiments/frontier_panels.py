@@ -70,7 +70,7 @@ from statelab.experiments.engine import Kind, Summary
 from statelab.experiments.executors import Unit
 from statelab.experiments.folder import RunFolder
 from statelab.experiments.naming import Direction, parse_directions, slug
-from statelab.lab.formation import PRESETS
+from statelab.lab.formation import differing_arms
 from statelab.lab.intervene import account, natural, subset_cross
 from statelab.paths import atomic_write_text, read_json_record
 from statelab.lab.receiver import Endpoint
@@ -797,13 +797,12 @@ def frontier_section(model, base_config, prompts: list, cap: int = 48, arms: dic
 
     In-process and one repeat per direction, to keep the demo cheap: ``statelab frontier run``
     runs independent process repeats and stores the traces.  ``arms``: name -> Schedule
-    (default: A and R on CPU, A and B elsewhere); ``directions``: (donor, recipient) pairs
+    (default: the presets that differ on the backend, ``lab.formation.differing_arms``); ``directions``: (donor, recipient) pairs
     (default: both ways between the first two arms).
     """
 
     if arms is None:
-        names = ("A", "R") if base_config.backend == "cpu" else ("A", "B")
-        arms = {n: PRESETS[n] for n in names}
+        arms = differing_arms(base_config.backend)
     if directions is None:
         a0, a1 = list(arms)[:2]
         directions = [(a0, a1), (a1, a0)]
@@ -838,7 +837,8 @@ def frontier_section(model, base_config, prompts: list, cap: int = 48, arms: dic
             toks[tok] = model.detokenize([tok])
         return toks[tok]
 
-    head = (f"## Frontier panels ({', '.join(panels)}; arms {', '.join(arms)}, cap {cap}, "
+    head = (f"## Frontier panels ({', '.join(panels)}; arms {', '.join(dict.fromkeys(x for d in directions for x in d))}, "
+            f"cap {cap}, "
             f"{time.perf_counter() - t0:.0f} s)\n\n"
             "Four subset crosses per panel through the common receiver (EMPTY, component 1, component 2, both), "
             "full FP32 logits.  One in-process repeat per direction; `statelab frontier run` repeats each panel "

@@ -5,16 +5,11 @@ and validated here and nowhere else, and it names its folders ``DONOR-RECIPIENT`
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-_SLUG = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-def slug(text: str, fallback: str = "prompt") -> str:
-    """A folder name for an id (``HumanEval/2`` -> ``HumanEval_2``)."""
-    return _SLUG.sub("_", text).strip("._") or fallback
+from statelab.errors import ConfigError
+from statelab.paths import slug  # noqa: F401 (the folder slug every kind imports from here)
 
 
 @dataclass(frozen=True)
@@ -35,10 +30,10 @@ class Direction:
 
     @classmethod
     def parse(cls, text: str) -> "Direction":
-        """``"A->R"`` -> Direction("A", "R"); a ValueError names the expected form."""
+        """The one parser of directions: ``"A->R"`` -> Direction("A", "R"); a ConfigError names the expected form."""
         parts = [x.strip() for x in str(text).split("->")]
         if len(parts) != 2 or not all(parts):
-            raise ValueError(f"direction {text!r} must read DONOR->RECIPIENT, e.g. \"A->R\"")
+            raise ConfigError(f"direction {text!r} must read DONOR->RECIPIENT, e.g. \"A->R\"")
         return cls(*parts)
 
 
@@ -49,7 +44,7 @@ def parse_directions(items: Iterable[str], arms: Iterable[str], err: Callable[[s
     for d in items:
         try:
             direc = Direction.parse(d)
-        except ValueError as e:
+        except ConfigError as e:
             raise err(str(e)) from None
         for a in direc:
             if a not in arms:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from statelab import prompts
 from statelab.analysis.classes import first_difference
-from statelab.audit.admission import device_refusal
+from statelab.runtime.admission import device_refusal
 from statelab.errors import ConfigError, StatelabError
 from statelab.experiments.executors import Unit, execute
 from statelab.runtime import Model, prepare_backend

@@ -20,7 +20,7 @@ from statelab.errors import ConfigError, ModelError
 from statelab.experiments.naming import Direction
 from statelab.lab.formation import parse_schedule
 from statelab.models import read_model_info
-from statelab.runtime.native import BACKENDS
+from statelab.runtime.native import check_backend
 from statelab.selection import SelectorError, default_search_dirs, load_selector
 
 Err = Callable[[str], Exception]
@@ -116,10 +116,10 @@ def common_fields(data: dict, path: Path, err: Err, cap_default: int) -> dict:
 
 
 def backend_field(data: dict, err: Err) -> str:
-    backend = data.get("backend", "cpu")
-    if backend not in BACKENDS:
-        raise err(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    return backend
+    try:
+        return check_backend(data.get("backend", "cpu"))
+    except ConfigError as e:
+        raise err(str(e)) from None
 
 
 def int_field(data: dict, key: str, default: int, lo: int, err: Err) -> int:

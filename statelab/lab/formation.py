@@ -20,11 +20,12 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from statelab.errors import ConfigError
+from statelab.errors import ConfigError, one_of
 from statelab.kvstate import KVState, MemoryLayout
 from statelab.limits import check_tokens
 from statelab.mapping import sha256_of
 from statelab.runtime import Context, context_identity
+from statelab.runtime.native import backend_info
 
 REST = -1
 DEFAULT_BATCH = 512
@@ -101,17 +102,28 @@ PRESETS = {
     "R": Schedule("R", (REST,), 1),
 }
 
+
+# what a schedule may be: the message of every refused one and the help of every --schedule option
+SCHEDULES_TEXT = f"{one_of(PRESETS)}, or an explicit one such as 132+1, 128+rest@ub64, ub16"
+
+
+def differing_arms(backend: str) -> dict[str, Schedule]:
+    """The presets that form different states on ``backend`` (``runtime.native.Backend.arms``), by name."""
+    return {n: PRESETS[n] for n in backend_info(backend).arms}
+
+
 _EXPLICIT = re.compile(r"^(?:(?P<chunks>(?:\d+|rest)(?:\+(?:\d+|rest))*))?(?:@?ub(?P<ub>\d+))?$")
 
 
 def parse_schedule(text: str, n_batch: int = DEFAULT_BATCH) -> Schedule:
-    """A preset name (A, B, C, R) or an explicit schedule such as 132+1, 128+rest@ub64, ub16."""
+    """The one parser of schedules: a preset name (:data:`PRESETS`) or an explicit schedule such as 132+1,
+    128+rest@ub64, ub16."""
     t = str(text).strip()
     if t in PRESETS:
         return PRESETS[t]
     m = _EXPLICIT.match(t)
     if not t or not m or (m.group("chunks") is None and m.group("ub") is None):
-        raise ConfigError(f"unknown schedule {text!r}: use A, B, C, R, or e.g. 132+1, 128+rest@ub64, ub16")
+        raise ConfigError(f"unknown schedule {text!r}: use {SCHEDULES_TEXT}")
     chunks = tuple(REST if c == "rest" else int(c) for c in (m.group("chunks") or "rest").split("+"))
     ub = int(m.group("ub")) if m.group("ub") is not None else 512
     if ub == 0:
@@ -139,7 +151,7 @@ def paper_sweep(n_prompt: int) -> list[Schedule]:
     if n_prompt <= 130:
         raise ConfigError(f"the paper's sweep needs a prompt of more than 130 tokens (129 + rest, n-1 + 1 "
                           f"distinct from it); this one has {n_prompt}")
-    out = [PRESETS[a] for a in "ABCR"]
+    out = list(PRESETS.values())
     out += [Schedule(f"ub{u}", (REST,), u, max(DEFAULT_BATCH, u)) for u in (2, 4, 8, 16, 32, 64, 256)]
     out += [Schedule(f"{s}+rest", (s, REST), 512) for s in (1, 16, 32, 64, 96, 129)]
     out += [Schedule("(n-1)+1", (n_prompt - 1, REST), 512), Schedule("128+rest@ub64", (128, REST), 64)]

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from statelab.paths import atomic_path
+from statelab.paths import atomic_path, slug
 
 FIGURES = "figures"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -27,10 +27,6 @@ th { background: #edf2f7; }
 code { background: #edf2f7; padding: 0 .2em; font-size: .9em; }
 .meta { color: #4a5568; font-size: .9em; }
 """
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "figure"
 
 
 def markdown_html(md: str) -> str:
@@ -57,7 +53,7 @@ class Page:
     def add(self, name: str, png: bytes, caption: str) -> None:
         if not png.startswith(PNG_MAGIC):
             raise ValueError(f"figure {name!r} is not a PNG")
-        self.figures.append(Figure(slug(name) + ".png", png, caption))
+        self.figures.append(Figure(slug(name, "figure", "-") + ".png", png, caption))
 
     def render(self) -> str:
         title, md = self.title, self.markdown

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from statelab.errors import ConfigError, DecodeError, ModelError
+from statelab.errors import ConfigError, DecodeError, ModelError, one_of
 from statelab.kvstate import KV_TYPE_NAMES, is_quantised
 from statelab.limits import check_threads, check_tokens
 from statelab.models import ModelInfo, read_model_info, resolve_model
@@ -44,7 +44,7 @@ class ContextConfig:
             raise ConfigError(f"n_ubatch ({self.n_ubatch}) must not exceed n_batch ({self.n_batch})")
         for name in ("type_k", "type_v"):
             if getattr(self, name) not in KV_TYPES:
-                raise ConfigError(f"{name} must be one of {sorted(KV_TYPES)}, got {getattr(self, name)!r}")
+                raise ConfigError(f"{name} must be one of {one_of(KV_TYPES)}, got {getattr(self, name)!r}")
         if is_quantised(KV_TYPES[self.type_v]) and not self.flash_attn:
             raise ConfigError(f"a quantised V cache ({self.type_v}) needs flash attention in llama.cpp "
                               "(--flash-attn); K alone may be quantised without it")

@@ -42,32 +42,31 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
-from statelab.errors import StatelabError
+import numpy as np
+
+from statelab.errors import ConfigError, StatelabError, one_of
 from statelab.runtime.native import lib
 
 ABI_VERSION = 1
-LAYOUTS = {"MQ": 0, "PQ": 1, "QB": 2}
-NAMES = {v: k for k, v in LAYOUTS.items()}
 WEIGHT_REPAIR_VERSION = 1  # LLAMA_STATELAB_WEIGHT_REPAIR_VERSION
 ROW_INVARIANT_KERNELS_VERSION = 1  # LLAMA_STATELAB_ROW_INVARIANT_KERNELS_VERSION (the hint, patch 0005)
 QB_COLUMNS_VERSION = 2  # the same version function: the QB attention products as one launch (patch 0006)
 VULKAN_QB_VERSION = 1  # LLAMA_STATELAB_VULKAN_QB_VERSION
 VULKAN_QB_PATCH = "0007-vulkan-qb-attention.patch"
 REPAIR_SUFFIX = "+W"
-# every layout family: attention layout, weight products row by row
-FAMILIES = {**{k: (k, False) for k in LAYOUTS}, **{k + REPAIR_SUFFIX: (k, True) for k in LAYOUTS}}
 MAX_QUERIES_LIMIT = 16  # LLAMA_STATELAB_MAX_QUERIES_LIMIT
 
 
-class Layout(str, Enum):
-    """Every layout name statelab knows, with its properties (the one place they are declared).
+class Layout(StrEnum):
+    """Every layout name statelab knows, with its properties (the one place they are declared;
+    every list of layouts below is derived from them).
 
-    MQ/PQ/QB are the attention layouts of the patched library; "+W" adds the row-by-row
-    weight products (patch 0003); GS (global serialisation, one target row per physical
-    micrograph) is a scheduling of native MQ graphs done by the speculative runner, not a
-    library layout.
+    MQ/PQ/QB are the attention layouts of the patched library (each one :class:`Attention`
+    object in :data:`ATTENTION`); "+W" adds the row-by-row weight products (patch 0003); GS
+    (global serialisation, one target row per physical micrograph) is a scheduling of native
+    MQ graphs done by the speculative runner, not a library layout.
     """
     MQ = "MQ"
     PQ = "PQ"
@@ -94,6 +93,18 @@ class Layout(str, Enum):
         return self in (Layout.PQ, Layout.QB)
 
     @property
+    def serialised(self) -> bool:
+        """One target row per physical micrograph, scheduled by the speculative runner (GS): not a
+        layout family of the library."""
+        return self is Layout.GS
+
+    @property
+    def in_arms(self) -> bool:
+        """An arm of ``spec run`` may name it (``M_x``/``C_x``; MQ is the native arms M0/C0).
+        MQ+W is a library family for the audits, not an arm."""
+        return self is not Layout.MQ_W
+
+    @property
     def needs_patch(self) -> bool:
         """Set on the context through the patched library (PQ, QB, every +W); MQ and GS run
         on an unpatched llama.cpp."""
@@ -107,20 +118,129 @@ class Layout(str, Enum):
         return backend != "cpu" and self.needs_patch
 
     @classmethod
-    def parse(cls, name: str, allowed: "tuple[Layout, ...] | None" = None) -> "Layout":
-        """A layout by name, optionally restricted to ``allowed``; LayoutError names the valid ones."""
-        valid = allowed or tuple(cls)
+    def parse(cls, name, allowed=None, what: str = "layout") -> "Layout":
+        """The one parser of layout names (any case, spaces around ignored), optionally restricted to
+        ``allowed``; a LayoutError of one line names the valid ones (``what``: "attention layout")."""
+        valid = tuple(cls.parse(x) if not isinstance(x, Layout) else x for x in allowed) if allowed else tuple(cls)
         try:
             lay = cls(str(name).strip().upper())
         except ValueError:
             lay = None
         if lay not in valid:
-            raise LayoutError(f"unknown layout {name!r}; choose one of {', '.join(x.value for x in valid)}")
+            raise LayoutError(f"unknown {what} {name!r}; choose one of {one_of(valid)}")
         return lay
 
 
-ATTENTION_LAYOUTS = (Layout.MQ.value, Layout.PQ.value, Layout.QB.value)  # = LAYOUTS' keys, in code order
-FAMILY_LAYOUTS = (Layout.MQ, Layout.PQ, Layout.QB, Layout.MQ_W, Layout.PQ_W, Layout.QB_W)  # library families
+# library families (every layout but the runner's GS), in declaration order
+FAMILY_LAYOUTS = tuple(x for x in Layout if not x.serialised)
+# the attention layouts (MQ, PQ, QB): families without "+W"
+ATTENTION_LAYOUTS = tuple(x.value for x in FAMILY_LAYOUTS if x.value == x.attention)
+# every layout family: attention layout, weight products row by row
+FAMILIES = {x.value: (x.attention, x.repair) for x in FAMILY_LAYOUTS}
+
+
+# -- attention layouts: one object each -------------------------------------------------------
+
+STAGES = ("qk", "softmax", "av")
+
+
+class Attention:
+    """One attention layout of the patch as one object (this class is MQ, the native graph).
+
+    From Q (``Qcur`` permuted, (d, q, h_Q)), K and V (the permuted cache views) and the mask
+    ((n_kv, q, 1, 1)) it builds QK -> softmax -> AV in a ggml graph (:meth:`build`) with the
+    views and node names the patched library gives them, and puts its outputs back into native
+    order (:meth:`native_order`).  What a layout does differently is :meth:`views` (the
+    (query, mask) pairs it hands to the operators), :meth:`names` and :meth:`native_order`.
+    The device admission (:mod:`statelab.runtime.admission`), the operator replay and E1
+    iterate :data:`ATTENTION`; the address oracle (``audit.oracles.address_model``) holds each
+    one's integer model of the same views.  With one occupied query every layout is MQ
+    (:func:`attention`)."""
+
+    layout = Layout.MQ
+    code = 0  # the patch's llama_statelab attention layout code
+
+    def views(self, g, qt, mask, q: int) -> list:
+        return [(qt, mask)]
+
+    def names(self, q: int) -> dict[str, list[str]]:
+        return {"qk": ["kq"], "softmax": ["kq_soft_max"], "av": ["kqv"]}
+
+    def native_order(self, arrays: list) -> np.ndarray:
+        """The stage's output arrays (ggml order, ne reversed) of one layer as (h_Q, q, X)."""
+        return np.ascontiguousarray(np.asarray(arrays[0])[0])
+
+    def recognises(self, kq_ne, q: int) -> bool:
+        """Whether a graph whose QK node(s) named :meth:`names` have extents ``kq_ne`` was built as this layout."""
+        return True
+
+    def build(self, g, qt, k, v, mask, scale: float, max_bias: float = 0.0) -> dict[str, list]:
+        """Every operator of the layout for ``qt.ne[1]`` queries: {stage: [tensors]}, plus
+        ``concat`` (the per-query results joined, PQ)."""
+        q = int(qt.ne[1])
+        names = self.names(q)
+        out: dict[str, list] = {s: [] for s in (*STAGES, "concat")}
+        prev = None
+        for j, (qj, mj) in enumerate(self.views(g, qt, mask, q)):
+            kq = g.mul_mat(k, qj, names["qk"][j])
+            sm = g.soft_max_ext(kq, mj, scale, max_bias, names["softmax"][j])
+            av = g.mul_mat(v, sm, names["av"][j], prec_f32=False)
+            for s, t in zip(STAGES, (kq, sm, av)):
+                out[s].append(t)
+            if prev is not None:
+                prev = g.concat(prev, av, 1, f"kqv_concat{j}")
+                out["concat"].append(prev)
+            else:
+                prev = av
+        return out
+
+
+class _PQ(Attention):
+    """One subgraph per query j: Q column j, mask row j; the results concatenated."""
+
+    layout = Layout.PQ
+    code = 1
+
+    def views(self, g, qt, mask, q):
+        return [(g.view_4d(qt, (qt.ne[0], 1, qt.ne[2], 1), qt.nb[1:], j * qt.nb[1], f"q_{j}"),
+                 g.view_4d(mask, (mask.ne[0], 1, 1, 1), mask.nb[1:], j * mask.nb[1], f"mask_{j}")) for j in range(q)]
+
+    def names(self, q):
+        return {"qk": [f"kq_pq{j}" for j in range(q)], "softmax": [f"kq_soft_max_pq{j}" for j in range(q)],
+                "av": [f"kqv_pq{j}" for j in range(q)]}
+
+    def native_order(self, arrays):
+        return np.ascontiguousarray(np.stack([np.asarray(a)[0, :, 0, :] for a in arrays], axis=1))
+
+
+class _QB(Attention):
+    """The query axis as a batch axis: Q (d, q, h_Q, 1) viewed (d, 1, h_Q, q), the mask (n_kv, q, 1, 1)
+    viewed (n_kv, 1, 1, q); K and V broadcast over dim 3."""
+
+    layout = Layout.QB
+    code = 2
+
+    def views(self, g, qt, mask, q):
+        return [(g.view_4d(qt, (qt.ne[0], 1, qt.ne[2], q), (qt.nb[1], qt.nb[2], qt.nb[1]), 0, "Qcur (qb view)"),
+                 g.view_4d(mask, (mask.ne[0], 1, 1, q), (mask.nb[1],) * 3, 0, "kq_mask (qb view)"))]
+
+    def native_order(self, arrays):
+        return np.ascontiguousarray(np.asarray(arrays[0])[:, :, 0, :].transpose(1, 0, 2))
+
+    def recognises(self, kq_ne, q):
+        return q > 1 and kq_ne[1] == 1 and kq_ne[3] == q
+
+
+ATTENTION = {a.layout: a for a in (Attention(), _PQ(), _QB())}
+LAYOUTS = {a.layout.value: a.code for a in ATTENTION.values()}  # name -> the patch's code
+NAMES = {v: k for k, v in LAYOUTS.items()}
+
+
+def attention(layout, q: int = 2) -> Attention:
+    """The :class:`Attention` object of an attention layout (a name or :class:`Layout`), for q occupied
+    queries: with one query every layout builds the native graph (MQ)."""
+    lay = Layout.parse(layout, ATTENTION_LAYOUTS, "attention layout")
+    return ATTENTION[Layout.MQ if q < 2 else lay]
 
 _vp, _i32, _u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint64
 _SIGNATURES = {
@@ -152,7 +272,7 @@ _PATCH_OF["llama_statelab_vulkan_qb_version"] = VULKAN_QB_PATCH
 _fns: dict[str, object] = {}
 
 
-class LayoutError(StatelabError, RuntimeError):
+class LayoutError(ConfigError, RuntimeError):
     """An unknown layout or limit, or a library without the layout patch."""
 
 
@@ -281,10 +401,7 @@ def get_row_invariant_kernels(ctx) -> bool:
 
 def parse_family(name: str) -> tuple[str, bool]:
     """("QB", True) for "QB+W": the attention layout and whether weight products are repaired."""
-    key = str(name).strip().upper()
-    if key not in FAMILIES:
-        raise LayoutError(f"unknown layout {name!r}; valid layouts: {', '.join(FAMILIES)}")
-    return FAMILIES[key]
+    return FAMILIES[Layout.parse(name, FAMILY_LAYOUTS).value]
 
 
 def set_layout(ctx, name: str) -> None:

@@ -13,18 +13,46 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 
-from statelab.errors import ConfigError, NativeBuildError
+from statelab.errors import ConfigError, NativeBuildError, one_of
 
-BACKENDS = ("cpu", "cuda", "vulkan")
+
+@dataclass(frozen=True)
+class Backend:
+    """A backend statelab builds for, with everything that depends on which one it is (the one place):
+    its devices' ggml registry and the defaults measured on it (docs/findings.md)."""
+    name: str
+    registry: str | None  # ggml's registry of its devices (None: the CPU backend, always present)
+    arms: tuple[str, ...]  # the schedule presets that form different states on it: the demo's partition arms,
+    #                        the first two its selector-matrix and frontier directions (both ways)
+    tasks: tuple[str, ...]  # demo prompts whose natural endpoints differ between those arms
+    matrix_tasks: tuple[str, ...]  # one prompt longer than 128 tokens (PREFIX and TAIL differ), one shorter
+
+
+_GPU = dict(arms=("A", "B", "C"), tasks=("HumanEval/10", "HumanEval/20", "HumanEval/86"),
+            matrix_tasks=("HumanEval/10", "HumanEval/86"))
+# CPU: batched prefill is bitwise equal for A, B and C, only token by token (R) differs; HumanEval/20 and
+# HumanEval/2 have A/R natural endpoints that differ within 48 outputs (at 18 and 26)
+BACKEND = {b.name: b for b in (
+    Backend("cpu", None, ("A", "R"), ("HumanEval/0", "HumanEval/2", "HumanEval/10"), ("HumanEval/20", "HumanEval/2")),
+    Backend("cuda", "CUDA", **_GPU),
+    Backend("vulkan", "Vulkan", **_GPU),
+)}
+BACKENDS = tuple(BACKEND)
 IDENTITY_FILE = "statelab_build.json"
 INSTALL_HINT = "run ./install.sh (or: python native/build.py --backend cpu) to build it"
 
 
 def check_backend(backend: str) -> str:
-    """``backend`` when it is one of :data:`BACKENDS`; ConfigError naming them otherwise."""
+    """The one parser of backend names: ``backend`` when it is one of :data:`BACKENDS`; ConfigError
+    naming them otherwise."""
     if backend not in BACKENDS:
-        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {one_of(BACKENDS)}")
     return backend
+
+
+def backend_info(backend: str) -> Backend:
+    """The :class:`Backend` of a name (checked)."""
+    return BACKEND[check_backend(backend)]
 
 
 def prepare_backend(backend: str) -> None:
@@ -151,9 +179,9 @@ def list_devices() -> list[Device]:
 
 def devices_for_backend(backend: str) -> list[Device]:
     """Devices of a backend: 'cpu' has none (the CPU backend is always present)."""
-    if backend == "cpu":
+    want = backend_info(backend).registry
+    if want is None:
         return []
-    want = {"cuda": "CUDA", "vulkan": "Vulkan"}[backend]
     devices = list_devices()
     found = [d for d in devices if d.registry.lower() == want.lower()]
     if not found:

@@ -3,7 +3,7 @@
 Arms
   R      reference: target only, physical ubatch 1 everywhere
   M0     target only, batched ubatch U, native multi-query attention (MQ)
-  M_x    target only, ubatch U, layout x in {QB, PQ, GS} under the phase mask
+  M_x    target only, ubatch U, layout x (SPEC_LAYOUTS but MQ) under the phase mask
   C_x    draft + target, layout x under the phase mask (C0: draft + target, MQ)
 Layouts QB and PQ are attention layouts of the patched library (native/patches/0002);
 QB+W and PQ+W add row-count-invariant weight products (native/patches/0003): in the phases
@@ -32,14 +32,13 @@ submits a proposal only when its expected gain is positive.
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from statelab.analysis.classes import first_difference
-from statelab.errors import ConfigError
+from statelab.errors import ConfigError, one_of
 from statelab.lab.receiver import Endpoint, check_cap
 from statelab.limits import check_threads, check_tokens, int_list
 from statelab.runtime import Context, ContextConfig, layouts
@@ -51,20 +50,18 @@ from statelab.speculative.drafters import (
     NgramDrafter,
     VerifyCosts,
     check_vocabulary,
-    is_ngram,  # noqa: F401 (re-exported: older callers import it from here)
-    parse_ngram,  # noqa: F401 (re-exported)
     remove_after,
     resolve,
 )
 
 # the layouts an arm may name (runtime.layouts.Layout holds their properties)
-SPEC_LAYOUTS = (Layout.MQ, Layout.PQ, Layout.QB, Layout.GS, Layout.PQ_W, Layout.QB_W)
+SPEC_LAYOUTS = tuple(x for x in Layout if x.in_arms)
 LAYOUT_NAMES = tuple(x.value for x in SPEC_LAYOUTS)
+# R, M0 and C0 run native MQ; M_<layout> (target only) and C_<layout> (draft + target) any other arm layout
+ARM_NAMES = ("R", "M0", "C0", *(f"{r}_{x}" for x in LAYOUT_NAMES if x != Layout.MQ for r in "MC"))
 TARGET_PREFILL, TARGET_CONT, DRAFT_PREFILL, DRAFT_CONT = 1, 2, 4, 8
 PHASE_BITS = {("target", "prefill"): TARGET_PREFILL, ("target", "continuation"): TARGET_CONT,
               ("draft", "prefill"): DRAFT_PREFILL, ("draft", "continuation"): DRAFT_CONT}
-# R, M0 and C0 run native MQ; M_<layout> and C_<layout> name any other arm layout
-ARM_RE = re.compile(r"^(R|M0|C0|[MC]_(" + "|".join(re.escape(x) for x in LAYOUT_NAMES if x != Layout.MQ) + "))$")
 
 
 def check_mask(mask: int) -> int:
@@ -87,28 +84,27 @@ def parse_masks(text: str) -> list[int]:
     return [check_mask(m) for m in masks]
 
 
-def check_layout(name: str) -> str:
-    if name not in LAYOUT_NAMES:
-        raise ConfigError(f"unknown layout {name!r}; choose one of {', '.join(LAYOUT_NAMES)}")
-    return name
+def check_layout(name) -> Layout:
+    """An arm layout (:data:`SPEC_LAYOUTS`) by name."""
+    return Layout.parse(name, SPEC_LAYOUTS)
 
 
 @dataclass(frozen=True)
 class Arm:
     name: str
-    layout: str  # MQ, PQ, QB, GS
+    layout: Layout
     draft: bool
     reference: bool = False
 
     @classmethod
     def parse(cls, name: str) -> Arm:
-        if not ARM_RE.match(name):
-            raise ConfigError(f"unknown arm {name!r}; use R, M0, C0, M_QB, M_PQ, M_GS, C_QB, C_PQ, C_GS, "
-                              "M_QB+W, M_PQ+W, C_QB+W, C_PQ+W")
+        """An arm by name (:data:`ARM_NAMES`); ConfigError of one line naming them otherwise."""
+        if name not in ARM_NAMES:
+            raise ConfigError(f"unknown arm {name!r}; use {one_of(ARM_NAMES)}")
         if name == "R":
-            return cls("R", "MQ", False, True)
+            return cls("R", Layout.MQ, False, True)
         if name in ("M0", "C0"):
-            return cls(name, "MQ", name == "C0")
+            return cls(name, Layout.MQ, name == "C0")
         return cls(name, check_layout(name[2:]), name[0] == "C")
 
 
@@ -146,7 +142,7 @@ class Counters:
 class PhaseGuard:
     """Process-fixed phase mask; sets the context's layout for one decode and restores it."""
 
-    def __init__(self, layout: str, mask: int = 3):
+    def __init__(self, layout, mask: int = 3):
         self.layout = check_layout(layout)
         self.mask = check_mask(mask)
         self.phase = {"target": "prefill", "draft": "prefill"}
@@ -154,14 +150,14 @@ class PhaseGuard:
     def new_request(self) -> None:
         self.phase = {"target": "prefill", "draft": "prefill"}
 
-    def active(self, role: str) -> str:
+    def active(self, role: str) -> Layout:
         """The layout a decode of `role` in its current phase runs with."""
-        return self.layout if self.mask & PHASE_BITS[(role, self.phase[role])] else "MQ"
+        return self.layout if self.mask & PHASE_BITS[(role, self.phase[role])] else Layout.MQ
 
     @contextlib.contextmanager
     def scope(self, ctx, role: str):
         want = self.active(role)
-        if Layout(want).needs_patch:
+        if want.needs_patch:
             prev = layouts.get_layout(ctx)
             layouts.set_layout(ctx, want)
             try:
@@ -234,7 +230,7 @@ class Transaction:
                 raise ConfigError(f"arm {arm.name} needs a draft model or a model-free drafter")
             drafter = ModelDrafter()
         self.drafter = drafter.bind(draft_ctx, self) if drafter is not None else None
-        self.fixed_rows = bool(fixed_rows) and arm.layout != "GS"
+        self.fixed_rows = bool(fixed_rows) and not arm.layout.serialised
         self.gate = gate
 
     # -- decode helpers --------------------------------------------------
@@ -251,7 +247,7 @@ class Transaction:
         rows = len(tokens)
         self.c.verify_rows += rows
         with self.guard.scope(self.t, "target") as layout:
-            if layout == "GS":  # global serialisation: one row per decode call
+            if layout.serialised:  # global serialisation: one row per decode call
                 choices = np.empty(rows, dtype=np.int64)
                 for i in range(rows):
                     t0 = time.perf_counter()
@@ -270,7 +266,7 @@ class Transaction:
             t_dec = time.perf_counter()  # admission check and layout restore below are bookkeeping (python)
             self.c.target_callers += 1
             self.c.target_micrographs += _micrographs(rows, self.t.config.n_ubatch)
-            if Layout(layout).needs_patch and rows > 1:
+            if layout.needs_patch and rows > 1:
                 if not layouts.last_admission(self.t).admitted:
                     self.c.layout_not_admitted += 1
         t1 = time.perf_counter()
@@ -281,7 +277,7 @@ class Transaction:
 
     def _target_prefill(self, tokens) -> np.ndarray:
         with self.guard.scope(self.t, "target") as layout:
-            if layout == "GS":
+            if layout.serialised:
                 last = len(tokens) - 1
                 for i, tok in enumerate(tokens):  # logits of the last row only, as in the batched path
                     self.t.decode([tok], i, logits=None if i == last else "none")
@@ -495,13 +491,13 @@ class Runner:
 
     def contexts(self, arm: Arm):
         c = self.cfg
-        if Layout(arm.layout).needs_patch:
+        if arm.layout.needs_patch:
             if not layouts.available():
                 raise ConfigError(f"arm {arm.name} needs the attention-layout patch (native/patches/0002)")
             if not 1 <= c.queries <= layouts.MAX_QUERIES_LIMIT:
                 raise ConfigError(f"arm {arm.name}: {c.queries} queries per micrograph exceed the layout limit "
                                   f"{layouts.MAX_QUERIES_LIMIT} (lower k_max or ubatch)")
-            if Layout(arm.layout).repair and not layouts.weight_repair_available():
+            if arm.layout.repair and not layouts.weight_repair_available():
                 raise ConfigError(f"arm {arm.name} needs the weight-product patch "
                                   "(native/patches/0003-row-invariant-weight-products.patch)")
             why = layouts.patch_refusal(arm.layout, c.backend)
@@ -511,7 +507,7 @@ class Runner:
         tcfg = ContextConfig(backend=c.backend, n_ctx=c.n_ctx, n_batch=max(512, c.rows), n_ubatch=ub,
                              n_threads=c.threads)
         t = Context(self.tm, tcfg)
-        if Layout(arm.layout).needs_patch:
+        if arm.layout.needs_patch:
             layouts.set_max_queries(t, c.queries)
         d = None
         if arm.draft and (self.drafter is None or self.drafter.needs_model):
