@@ -170,7 +170,7 @@ def check_layout(layout, backend: str = "cpu") -> None:
 
 def run_graph(model, tokens, geometry: Geometry, base_config=None, *, want=None, want_srcs=None,
               keep_data=None, logits: str = "last", prefix=None, prefix_schedule: Schedule | None = None,
-              n_ctx: int | None = None, capture: bool = True) -> GraphRun:
+              n_ctx: int | None = None, capture: bool = True, require_admitted: bool = True) -> GraphRun:
     """Decode `tokens` with `geometry` in a fresh context and capture the wanted nodes.
 
     want(name) / want_srcs(name) / keep_data(name): see runtime.ggml_ops.GraphCapture.
@@ -242,7 +242,9 @@ def run_graph(model, tokens, geometry: Geometry, base_config=None, *, want=None,
             ctx.decode(toks[c["pos0"]:c["pos0"] + c["size"]], off + c["pos0"], logits=c["flags"])
             cap.check()
             adm = layouts.last_admission(ctx) if layouts.available() else None
-            if adm is not None and not adm.admitted:  # another graph than the geometry names: refuse, never compare it
+            # another graph than the geometry names: refuse, never compare it (callers that record the
+            # admission themselves, like E1's cells, pass require_admitted=False)
+            if require_admitted and adm is not None and not adm.admitted:
                 raise ConfigError(f"geometry {geometry.name}: layout {adm.requested} was not built ({adm.reason}); "
                                   f"the graph was {adm.built}")
             admissions.append(adm)

@@ -245,9 +245,9 @@ def run_phase(model, prompt_tokens, cont_tokens, phase: str, q: int, layout: str
     geo = Geometry(Schedule(f"q{q}", (q,), max(q, 1), 512), layout)
     want, want_srcs = _want(layers)
     kw = dict(logits="all", prefix=prefix)
-    r1 = run_graph(model, toks, geo, base_config, want=want, want_srcs=want_srcs, **kw)
-    r2 = run_graph(model, toks, geo, base_config, want=want, want_srcs=want_srcs, **kw)
-    r0 = run_graph(model, toks, geo, base_config, capture=False, **kw)
+    r1 = run_graph(model, toks, geo, base_config, want=want, want_srcs=want_srcs, require_admitted=False, **kw)
+    r2 = run_graph(model, toks, geo, base_config, want=want, want_srcs=want_srcs, require_admitted=False, **kw)
+    r0 = run_graph(model, toks, geo, base_config, capture=False, require_admitted=False, **kw)
     caps = {L: extract_attention(r1, L) for L in layers}
     reps = {L: extract_attention(r2, L) for L in layers}
     la, lb = r1.extra["out_logits"], r0.extra["out_logits"]

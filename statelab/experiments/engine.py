@@ -198,7 +198,7 @@ def _execute(kind: Kind, r: Run, t0: float, page) -> Summary:
             with open(r.out / "runs.jsonl", "a") as f:
                 f.write(json.dumps({"started": time.time() - (time.perf_counter() - t0), "executor": r.executor,
                                     "workers": r.workers, "lanes": r.lanes, "cells_ran": ran(),
-                                    "failed": ran() - counts["ok"],
+                                    "failed": ran() - counts["ok"] - counts["skipped"],
                                     "cells_seconds": units_seconds, "executor_overhead": overhead,
                                     "pid": os.getpid()}) + "\n")
     r.state.update(todo=todo, tasks=tasks, counts=counts)

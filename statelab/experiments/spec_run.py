@@ -45,7 +45,7 @@ def run_arms(model_path, draft, prompt, names: list[str], cfg: SpecConfig, refus
              gate: bool = False):
     """Arms on one prompt in this process (``spec run``), R first (every arm is qualified
     against it, so R runs even when not named); an arm the device would not run
-    (:func:`~statelab.audit.admission.device_refusal`) is reported to ``refused(arm, why)``
+    (:func:`~statelab.runtime.admission.device_refusal`) is reported to ``refused(arm, why)``
     and left out.  With ``gate`` each drafting arm's verify costs are measured first (on
     ``prompt``) and its proposals gated by them.  Returns (qualified results, whether a
     drafter was needed)."""
