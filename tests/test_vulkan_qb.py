@@ -127,8 +127,9 @@ def test_locator_finds_no_divergence_between_ubatch_one_and_qb_on_vulkan(vulkan_
 def test_c_qb_qualifies_on_vulkan(vulkan_device, cli_subprocess, tmp_path):  # noqa: F811
     """The speculative arm with QB verifies (fixed 4-row verifies: every verify is a QB micrograph)
     reproduces R's endpoint on the device, with no micrograph left to MQ."""
-    probe = _json(_run(PRELUDE + "print(json.dumps({'patch': True}))", 300))
-    _patched_or_skip(probe)
+    from statelab.runtime import layouts
+
+    _patched_or_skip({"patch": layouts.vulkan_qb_available()})  # the library's version function: no device process
     out = tmp_path / "spec.json"
     # a short prompt that repeats itself: the n-gram drafter proposes from the first cycle, R's prefill is short
     r = cli_subprocess("spec", "run", "-p", "x = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,", "--cap", "8", "--arms", "R,C_QB",
