@@ -314,11 +314,11 @@ def agreed_classes(ds: xr.Dataset) -> xr.DataArray:
                         coords={d: k[d] for d in ("task", "selector", "direction")})
 
 
-def non_monotone_in(masks: dict, outcomes: dict) -> tuple[list[dict], int]:
+def non_monotone_in(masks: dict, outcomes: dict, lattice: nx.DiGraph | None = None) -> tuple[list[dict], int]:
     """Non-monotone pairs on the lattice of ``masks`` given ``outcomes`` (name -> class), each
     with its inclusion proof, and the denominator: (B selection, strict superset with an
-    outcome) pairs examined."""
-    lat = selector_lattice(masks)
+    outcome) pairs examined. ``lattice``: ``selector_lattice(masks)`` when the caller has it."""
+    lat = selector_lattice(masks) if lattice is None else lattice
     pairs, examined = [], 0
     for small in lat.nodes:
         if outcomes.get(small) != "B":
@@ -350,6 +350,8 @@ def non_monotone(run: RunData, masks_for=None) -> tuple[list[dict], list[dict]]:
             continue
         masks = (masks_for or run.masks_for)(t)
         names = [str(s) for s in agreed.selector.values]
+        task_masks = {s: masks[s] for s in names}
+        lattice = None  # one inclusion lattice per task: every direction of it reads the same masks
         for d in agreed.direction.values:
             d = str(d)
             if not independent(run, t, d, dfolds):  # it repeats another direction byte for byte
@@ -358,7 +360,8 @@ def non_monotone(run: RunData, masks_for=None) -> tuple[list[dict], list[dict]]:
             outcomes = {s: k for s, k in outcomes.items() if k}
             if not outcomes:  # no repeat-agreeing result yet (pending or withheld): not a coordinate
                 continue
-            found, examined = non_monotone_in({s: masks[s] for s in names}, outcomes)
+            lattice = selector_lattice(task_masks) if lattice is None else lattice
+            found, examined = non_monotone_in(task_masks, outcomes, lattice)
             pairs += [{"run": run.name, "task": t, "direction": d, **p} for p in found]
             denominators.append({"run": run.name, "task": t, "direction": d, "b_selections":
                                  sum(1 for k in outcomes.values() if k == "B"), "examined": examined,
