@@ -47,3 +47,20 @@ dev_wait() {
   tail -3 $W/build.log; [ "$(cat $W/build.rc)" = 0 ] || return 1
   python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site --upgrade "$(tail -1 $W/build.log)"
 }
+
+# locate_each DIR BACKEND NAME:GGUF GEOMETRY...: the locator on HumanEval/2, ub1 against each geometry, into DIR
+# (locate.txt + one report folder each); an empty GGUF is the embedded default, LOCATE_ARGS adds options.
+locate_each() {
+  local r=$1 be=$2 m=$3 g=${3#*:} b; shift 3
+  for b in "$@"; do
+    echo "== ${m%%:*} ub1 vs $b" >> "$r/locate.txt"
+    sl locate -H 2 ${g:+--model "$g"} --backend "$be" -a ub1 -b "$b" ${LOCATE_ARGS:-} \
+      --out "$r/locate_${m%%:*}_${b/:/_}" 2>&1 | tail -6 >> "$r/locate.txt"
+  done
+}
+
+# mq_spec IN OUT: a campaign spec's MQ control (arms R and C0 only, one session) for the verify-cost sweep in MQ.
+mq_spec() {
+  sed -e 's/^arms = .*/arms = ["R", "C0"]/' -e 's/^ratios = .*/ratios = [["R", "C0"]]/' -e 's/^sessions = 3/sessions = 1/' \
+    "$1" > "$2"
+}

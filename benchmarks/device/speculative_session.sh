@@ -35,15 +35,6 @@
 #   wheel-in           install the wheel carried back in .dev/cudawhl/ (parts joined, sha256 checked)
 set -uo pipefail
 . "$(dirname "$0")/common.sh"
-# locate_each DIR NAME:GGUF GEOMETRY...: the locator, ub1 against each geometry, into DIR (locate.txt + reports)
-locate_each() {
-  local r=$1 m=$2 b; shift 2
-  for b in "$@"; do
-    echo "== ${m%%:*} ub1 vs $b" >> "$r/locate.txt"
-    sl locate -H 2 --model "${m#*:}" --backend cuda -a ub1 -b "$b" --out "$r/locate_${m%%:*}_${b/:/_}" 2>&1 | tail -6 >> "$r/locate.txt"
-  done
-}
-
 case "${1:-}" in
   setup) dev_setup --backend cuda ;;
   keep) dev_keep "$2" ;;
@@ -90,12 +81,11 @@ case "${1:-}" in
     R=$OUT/exact; mkdir -p "$R"
     SMOL=$W/model.gguf GEMMA=$W/gemma.gguf OUT=$R bash benchmarks/device/cuda_weights.sh audit > "$R/audit.log" 2>&1
     grep -h "cases computed" "$R"/matmul_*.txt
-    for m in smollm2:$W/model.gguf gemma3:$W/gemma.gguf; do locate_each "$R" "$m" ub8:QB ub8:MQ ub4:QB; done
+    for m in smollm2:$W/model.gguf gemma3:$W/gemma.gguf; do locate_each "$R" cuda "$m" ub8:QB ub8:MQ ub4:QB; done
     tail -n 60 "$R/locate.txt"
     sed -e 's/^k = 3/k = 7/' studies/spec-cuda-ngram.toml > "$R/spec-cuda-ngram-k7.toml"
     sed -e "s#^backend = \"cuda\"#backend = \"cuda\"\nmodel = \"$W/gemma.gguf\"#" "$R/spec-cuda-ngram-k7.toml" > "$R/spec-cuda-gemma-k7.toml"
-    sed -e 's/^arms = .*/arms = ["R", "C0"]/' -e 's/^ratios = .*/ratios = [["R", "C0"]]/' -e 's/^sessions = 3/sessions = 1/' \
-      "$R/spec-cuda-ngram-k7.toml" > "$R/spec-cuda-mq-k7.toml"
+    mq_spec "$R/spec-cuda-ngram-k7.toml" "$R/spec-cuda-mq-k7.toml"
     for s in ngram-k7 gemma-k7 mq-k7; do
       python3 benchmarks/speculative.py "$R/spec-cuda-$s.toml" --rows --no-write --out "$W/c-$s" 2>&1 | tee "$R/campaign-$s.txt" | tail -25
       cp -r "$W/c-$s" "$R/"
@@ -110,7 +100,7 @@ case "${1:-}" in
     for m in smollm2:$W/model.gguf gemma3:$W/gemma.gguf; do
       sl audit e1 --backend cuda --model "${m#*:}" --out "$R/e1_${m%%:*}" > "$R/e1_${m%%:*}.txt" 2>&1
       tail -4 "$R/e1_${m%%:*}.txt"
-      locate_each "$R" "$m" ub4:QB ub8:QB ub8:MQ
+      locate_each "$R" cuda "$m" ub4:QB ub8:QB ub8:MQ
     done
     tail -n 40 "$R/locate.txt"
     tar -czf "$OUT/qbcols.tgz" -C "$OUT" qbcols

@@ -65,11 +65,7 @@ case "${1:-}" in
 print("patch 0007 (QB on Vulkan):", layouts.vulkan_qb_available())' 2>&1 | tee "$R/patch.txt"
     sl audit backends --backend vulkan > "$R/admission.txt" 2>&1; grep -E "^\| QB \| 4 " "$R/admission.txt"
     if [ ! -f "$R/locate.txt" ]; then
-      for b in ub4:QB ub4:MQ; do
-        echo "== ub1 vs $b" >> "$R/locate.txt"
-        sl locate -H 2 --backend vulkan -a ub1 -b "$b" --logits all --max-tokens 64 --out "$R/locate_${b/:/_}" 2>&1 \
-          | tail -6 >> "$R/locate.txt"
-      done
+      LOCATE_ARGS="--logits all --max-tokens 64" locate_each "$R" vulkan smollm2: ub4:QB ub4:MQ
       for t in 0 2; do
         sl spec run -H $t --backend vulkan --cap 64 --arms R,M_QB,C_QB --draft ngram:1-8 --fixed-rows \
           --json "$R/spec_qb_he$t.json" >> "$R/spec_qb.txt" 2>&1
@@ -77,8 +73,7 @@ print("patch 0007 (QB on Vulkan):", layouts.vulkan_qb_available())' 2>&1 | tee "
     fi
     tail -n 40 "$R/locate.txt" "$R/spec_qb.txt"
     sed -e 's/^backend = "cuda"/backend = "vulkan"/' studies/spec-cuda-ngram.toml > "$R/spec-vulkan-ngram.toml"
-    sed -e 's/^arms = .*/arms = ["R", "C0"]/' -e 's/^ratios = .*/ratios = [["R", "C0"]]/' -e 's/^sessions = 3/sessions = 1/' \
-      "$R/spec-vulkan-ngram.toml" > "$R/spec-vulkan-mq.toml"
+    mq_spec "$R/spec-vulkan-ngram.toml" "$R/spec-vulkan-mq.toml"
     for s in ngram mq; do
       python3 benchmarks/speculative.py "$R/spec-vulkan-$s.toml" --rows --no-write --out "$W/vk-$s" \
         ${BUDGET:+--budget $BUDGET} 2>&1 | tee "$R/campaign-$s.txt" | tail -25

@@ -24,8 +24,7 @@ import numpy as np
 
 from statelab.errors import ConfigError
 from statelab.runtime.ggml_ops import OpGraph
-from statelab.runtime import layouts
-from statelab.runtime.layouts import Layout, attention
+from statelab.runtime.layouts import Layout, attention, patch_refusal
 from statelab.runtime.native import devices_for_backend
 
 OPS = ("qk", "softmax", "av", "concat")
@@ -121,5 +120,5 @@ def device_refusal(model, layout, q: int) -> str | None:
         return None
     why = (f"not admitted on {dev.registry}:{dev.name}: its supports_op rejects {'; '.join(bad)} "
            f"(the scheduler would run them on the CPU)")
-    patch = layouts.patch_refusal(lay.attention, model.backend)  # QB on Vulkan without patch 0007
+    patch = patch_refusal(lay.attention, model.backend)  # QB on Vulkan without patch 0007
     return why + (f"; {patch}" if patch else "")
