@@ -27,6 +27,8 @@
 #                      models), the locator ub1 against ub8:QB and ub8:MQ (both models), the n-gram campaign at
 #                      k 7 (8-row verifies) on SmolLM2 and Gemma 3 with the verify-cost sweep by rows (1..8) in QB,
 #                      and the same sweep in MQ (arm C0); results in $OUT/exact.tgz
+#   gemma-panel        the panel's 12 HumanEval prompts on Gemma 3 (the drafter step on a spec derived from
+#                      studies/spec-cuda-panel.toml; SESSIONS=2 as in docs/benchmarks.md)
 #   qbcols             patch 0006 (QB attention products in one launch): benchmarks/qb_columns.py on both models
 #                      (QB / QB one product per query / MQ by rows), audit e1 and the locator ub1 against
 #                      ub4:QB, ub8:QB, ub8:MQ on both models; results in $OUT/qbcols.tgz
@@ -92,6 +94,17 @@ case "${1:-}" in
     done
     tar -czf "$OUT/exact.tgz" -C "$OUT" exact
     ;;
+  gemma-panel)   # the held-out panel's 12 HumanEval prompts on Gemma 3 (its GGUF has no chat template for the prose half)
+    python3 - "$W/gemma.gguf" <<'PY'
+import re, sys
+s = open("studies/spec-cuda-panel.toml").read()
+s = re.sub(r'\n    "chat:[^\n]*', "", s)                      # the prose prompts
+s = re.sub(r"prose = \[[^\]]*\]\n", "", s, flags=re.S)      # and their group
+s = s.replace('backend = "cuda"', f'backend = "cuda"\nmodel = "{sys.argv[1]}"')
+open("studies/spec-cuda-panel-gemma.toml", "w").write(s)
+PY
+    TAG=gemma bash "$0" drafter studies/spec-cuda-panel-gemma.toml
+    ;;
   qbcols)
     R=$OUT/qbcols; mkdir -p "$R"
     python3 benchmarks/qb_columns.py studies/spec-cuda-panel.toml --no-write 2>&1 | tee "$R/rows_smollm2.txt" | tail -12
@@ -116,5 +129,5 @@ case "${1:-}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site --upgrade "$W/$n" && echo "$W/$n" >> $W/build.log
     echo 0 > $W/build.rc
     ;;
-  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|drafter [SPEC]|weights [audit|qualify|locate|campaign]|findings-start|findings-wait S|import-bench|exact|qbcols|wheel-out|wheel-in" >&2; exit 2 ;;
+  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|drafter [SPEC]|weights [audit|qualify|locate|campaign]|findings-start|findings-wait S|import-bench|exact|gemma-panel|qbcols|wheel-out|wheel-in" >&2; exit 2 ;;
 esac
