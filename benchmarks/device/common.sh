@@ -5,7 +5,7 @@
 #   .dev/m1 .dev/m2   the embedded model (SmolLM2-135M-Instruct Q4_1, 98 MB) in two parts, one per call
 #   .dev/model.sha256 its sha256
 # `bash benchmarks/device/kit.sh` makes all of it (and Gemma 3's parts .dev/g0..g4) from what ./install.sh downloaded.
-W=/opt/sl
+W=${W:-/opt/sl}
 export PYTHONUNBUFFERED=1 PYTHONPATH=/opt/site:$PWD STATELAB_CACHE=$W/cache
 OUT=${OUT:-/tmp/out}
 sl() { python3 -m statelab.cli "$@"; }
@@ -22,6 +22,23 @@ dev_setup() {
   setsid nohup bash -c "cd $W && python3 native/build.py --tree $W/llama_cpp_python-0.3.36 --no-install \
      --jobs $(nproc) $* > $W/build.log 2>&1; echo \$? > $W/build.rc" >/dev/null 2>&1 &
   sleep 5; cat $W/build.log; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+}
+
+# Vulkan through NVIDIA's driver (device README, "Headless rendering"): the loaders from .gl/ unpacked into /,
+# the Vulkan build tools from .dev/vkdeb/ into /opt/vk (not /); vk_env in every call that runs Vulkan.
+vk_env() {
+  export LD_LIBRARY_PATH=/opt/vk/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  local icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+  if [ -f "$icd" ]; then export VK_DRIVER_FILES=$icd; fi
+}
+# dev_setup_vulkan: unpack both, then dev_setup with one CUDA + Vulkan build.
+dev_setup_vulkan() {
+  mkdir -p /opt/vk
+  for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+  for f in .dev/vkdeb/*.deb; do dpkg -x "$f" /opt/vk; done
+  dev_setup --backend cuda --cmake-arg=-DGGML_VULKAN=ON --cmake-arg=-DVulkan_INCLUDE_DIR=/opt/vk/usr/include \
+    --cmake-arg=-DVulkan_LIBRARY=/usr/lib/x86_64-linux-gnu/libvulkan.so.1 \
+    --cmake-arg=-DVulkan_GLSLC_EXECUTABLE=/opt/vk/usr/bin/glslc --cmake-arg=-DCMAKE_PREFIX_PATH=/opt/vk/usr
 }
 
 # dev_keep NAME: keep .dev/NAME (one part of a large file) under $W until the parts are joined.

@@ -8,6 +8,9 @@
 #   .dev/whl/*.whl         wheels for Python 3.12 that the device image lacks (needs pip and the package registry)
 #   .dev/m1 .dev/m2        the embedded model (SmolLM2-135M-Instruct Q4_1) in two parts, .dev/model.sha256
 #   .dev/g0 .. .dev/g4     Gemma 3 270M Q4_K_M in five parts, .dev/gemma.sha256
+#   .dev/vkdeb/*.deb       glslc, libshaderc1, libvulkan-dev, spirv-headers (the Vulkan build on the device;
+#                          Debian 12 packages through apt-get download, skipped where apt-get is missing)
+#   .gl/*.deb              the Vulkan/EGL loaders the device unpacks into / (its README, "Headless rendering")
 # Re-running replaces each piece atomically (a temporary name, then a rename).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -60,4 +63,16 @@ split_model() {  # split_model FILE PREFIX PARTS FIRST_INDEX SHAFILE
 paths=$("$PY" -c 'from statelab.models import default_model_path, gemma3_model_path; print(default_model_path()); print(gemma3_model_path())')
 split_model "$(echo "$paths" | sed -n 1p)" m 2 1 model.sha256   # m1 m2, as common.sh joins them
 split_model "$(echo "$paths" | sed -n 2p)" g 5 0 gemma.sha256   # g0 .. g4, as speculative_session.sh joins them
+
+# Debian packages for the Vulkan recipes (vulkan_session.sh, synth_session.sh vk-*)
+debs() {  # debs FOLDER PACKAGE...: apt-get download into FOLDER, replaced atomically
+  local dst=$1; shift
+  command -v apt-get >/dev/null || { echo "[kit] no apt-get: $dst left as it was" >&2; return 0; }
+  rm -rf "$dst.tmp" && mkdir -p "$dst.tmp"
+  if (cd "$dst.tmp" && apt-get download "$@" >/dev/null 2>&1); then rm -rf "$dst" && mv "$dst.tmp" "$dst"
+    echo "[kit] $dst: $(ls "$dst" | wc -l) packages"
+  else rm -rf "$dst.tmp"; echo "[kit] apt-get download failed: $dst left as it was" >&2; fi
+}
+debs "$D/vkdeb" glslc libshaderc1 libvulkan-dev spirv-headers
+debs .gl libvulkan1 libegl1 libglvnd0 libopengl0 libgl1 libglx0 libgles2
 ls -la "$D"

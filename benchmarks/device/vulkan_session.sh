@@ -19,18 +19,10 @@
 #                                                      # the next `qb` call resumes it (its folder lives in $W)
 set -uo pipefail
 . "$(dirname "$0")/common.sh"
-export LD_LIBRARY_PATH=/opt/vk/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-[ -f "$icd" ] && export VK_DRIVER_FILES=$icd
+vk_env
 R=$OUT/vk
 case "${1:-}" in
-  setup)
-    mkdir -p /opt/vk
-    for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
-    for f in .dev/vkdeb/*.deb; do dpkg -x "$f" /opt/vk; done
-    dev_setup --backend cuda --cmake-arg=-DGGML_VULKAN=ON --cmake-arg=-DVulkan_INCLUDE_DIR=/opt/vk/usr/include \
-      --cmake-arg=-DVulkan_LIBRARY=/usr/lib/x86_64-linux-gnu/libvulkan.so.1 \
-      --cmake-arg=-DVulkan_GLSLC_EXECUTABLE=/opt/vk/usr/bin/glslc --cmake-arg=-DCMAKE_PREFIX_PATH=/opt/vk/usr
+  setup) dev_setup_vulkan
     ;;
   part1) dev_keep m1 ;;
   model) dev_default_model ;;
