@@ -9,13 +9,18 @@ each through the library function its command calls, timed with ``perf_counter``
 growth of the resident set's peak over what the process held before the step (``VmHWM`` reset
 through ``/proc/self/clear_refs`` before it; ``ru_maxrss`` where that is not allowed, then a
 whole-run peak). On a GPU backend the KV cache lives in device memory; host memory is what the
-lab's own copies cost:
+lab's own copies cost. The growth is split too, sampled every 2 ms: anonymous memory (what
+the lab and llama.cpp allocate: copies, contexts) and file-backed pages (the mapped captures a
+step reads, which the kernel can drop):
 
 - capture A: ``form`` with schedule A (the prompt as one submission, ubatch 512) and
   ``save_capture`` (the archive written and sealed)
 - capture B: the same with schedule B (128 tokens, then the rest), the donor of the cross
 - verify: ``load_capture`` of A's folder as a read-only map (seal, every file's sha256, the KV
   payload's and per-component hashes; what every command does before it uses a capture)
+- a context of A's configuration alone, created and closed: what llama.cpp allocates for it
+  (on the CPU backend the KV cache itself), the part of the cross and import steps that is not
+  the lab's
 - cross: ``cross`` B -> A (the donor's whole KV imported into A's path, ``--cap`` tokens decoded)
 - export: ``export_state_file`` (a ``llama_state_seq_save_file`` file) and ``import_state_file``
   (that file read back, checked and restored into a context: a verified capture)
@@ -43,6 +48,33 @@ def _status(key: str) -> int:
             if line.startswith(key):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+class Sampler:
+    """The largest anonymous and file-backed resident sizes seen over a block (RssAnon and
+    RssFile of /proc/self/status, read every 2 ms on a thread): copies the lab makes are
+    anonymous memory; the pages of a mapped capture it reads are file-backed."""
+
+    def __init__(self):
+        import threading
+
+        self.anon = self.file = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.anon = max(self.anon, _status("RssAnon:"))
+            self.file = max(self.file, _status("RssFile:"))
+            self._stop.wait(0.002)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
 
 
 class Peak:
@@ -91,18 +123,20 @@ def main(argv=None) -> int:
     from statelab.lab.formation import form, parse_schedule
     from statelab.lab.interop import export_state_file, import_state_file
     from statelab.lab.intervene import config_of, cross
-    from statelab.runtime import ContextConfig, Model
+    from statelab.runtime import Context, ContextConfig, Model
 
     peak = Peak()
     rows: list[dict] = []
 
     def step(name, fn):
         peak.reset()
-        before = _status("VmRSS:")
-        t0 = time.perf_counter()
-        out = fn()
-        rows.append({"step": name, "seconds": time.perf_counter() - t0, "rss_before": before,
-                     "growth": max(0, peak.read() - before)})
+        before, anon0, file0 = _status("VmRSS:"), _status("RssAnon:"), _status("RssFile:")
+        with Sampler() as s:
+            t0 = time.perf_counter()
+            out = fn()
+            dt = time.perf_counter() - t0
+        rows.append({"step": name, "seconds": dt, "rss_before": before, "growth": max(0, peak.read() - before),
+                     "anon_growth": max(0, s.anon - anon0), "file_growth": max(0, s.file - file0)})
         print(f"{name}: {rows[-1]['seconds']:.3f} s, peak growth {rows[-1]['growth'] / 2**20:.0f} MiB", flush=True)
         return out
 
@@ -118,6 +152,7 @@ def main(argv=None) -> int:
         step("capture B (archive written)", lambda: save_capture(cap_b, d / "B"))
         del cap_a, cap_b
         ra = step("verify A (load, every hash)", lambda: load_capture(d / "A", mapped=True))
+        step("a context of A's configuration alone (created, closed)", lambda: Context(m, config_of(ra)).close())
         rb = load_capture(d / "B", mapped=True)
         ep, acc = step(f"cross B -> A (import, {a.cap} tokens)", lambda: cross(m, rb, ra, cap=a.cap))
         step("export (llama.cpp state file)", lambda: export_state_file(ra, d / "A.state"))
@@ -128,10 +163,11 @@ def main(argv=None) -> int:
     geo = f"{n} tokens, state {size / 2**20:.1f} MiB (payload), state file {file_size / 2**20:.1f} MiB"
     print(f"\n{a.model.name} on {a.backend}: {geo}; cross changed {acc.changed_bytes} B, "
           f"first differing layer {acc.first_differing_layer}\n")
-    print("| step | seconds | resident before (MiB) | peak growth (MiB) | growth / state |\n|---|---|---|---|---|")
+    print("| step | seconds | resident before (MiB) | peak growth (MiB) | growth / state | anonymous growth / state "
+          "| file-backed growth / state |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['step']} | {r['seconds']:.3f} | {r['rss_before'] / 2**20:.0f} | {r['growth'] / 2**20:.0f} "
-              f"| {r['growth'] / size:.2f} |")
+              f"| {r['growth'] / size:.2f} | {r['anon_growth'] / size:.2f} | {r['file_growth'] / size:.2f} |")
     if not peak.resettable:
         print("\n(peaks are the process's whole-run peak: /proc/self/clear_refs was not writable)")
     if a.json:

@@ -34,3 +34,26 @@ def test_one_copy_per_layer_and_the_same_bytes(model, base_config, he):
         assert dst.state_get() == blob  # the imported bytes read back as the exported ones
         dst.decode(toks[-1:], len(toks) - 1, logits=None)
         np.testing.assert_array_equal(dst.logits(), want)  # and decode on as the source did
+
+
+def test_a_mapped_state_is_imported_where_it_lies_and_checked_in_chunks(model, base_config, he, tmp_path):
+    """state_set takes a read-only map of a payload file (no copy: llama.cpp only reads it) and
+    state_matches compares the read-back chunk by chunk: equal, and unequal after one byte."""
+    import mmap
+
+    toks = model.tokenize(he(2).text)
+    with Context(model, base_config) as src:
+        src.decode(toks, 0, logits="none")
+        blob = src.state_get()
+    path = tmp_path / "kv.bin"
+    path.write_bytes(blob)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, \
+            Context(model, base_config) as dst:
+        view = memoryview(mm)
+        dst.state_set(view)
+        assert dst.state_matches(view, chunk=4096) and dst.state_matches(blob)
+        flipped = bytearray(blob)
+        flipped[len(blob) // 2] ^= 1
+        assert not dst.state_matches(flipped, chunk=4096)
+        assert not dst.state_matches(blob[:-1])
+        view.release()

@@ -18,7 +18,10 @@ Controls come first and withhold comparisons they fail: observation (the nodes w
 and the library built the requested layout, or q = 1 where every layout is the native
 graph), capture on/off (the logits of every output row of the run equal bitwise with and
 without the callback), repeatability (the same layout twice gives bitwise-equal operands and
-outputs), operand identity across layouts (hashes). Then, per pair of layouts and stage:
+outputs), operand identity per pair of layouts (hashes of Q, K and V as the operators read them
+and of the mask as each softmax applied it: the rows its input's rows read, broadcast over the
+heads and put in the native order, so that layouts that hand the same mask to their operators
+through different views or buffers compare equal). Then, per pair of layouts and stage:
 bitwise equal or not, max |difference| and max ULP distance (:func:`oracles.ulp_distance`);
 no tolerance decides anything. PQ and QB need the layout patch; without it their columns
 say "not available (patch missing)".
@@ -89,9 +92,36 @@ class AttnCapture:
     max_bias: float
     head_map: list  # query head a -> KV head
     nodes: list = field(default_factory=list)  # the CapturedNodes (for replay)
+    mask_applied: np.ndarray | None = None  # (h_Q, q, n_kv) float32: the mask as the softmax(es) applied it
 
     def hashes(self) -> dict:
         return {k: v.sha256 for k, v in self.operands.items()}
+
+    def identity(self) -> dict:
+        """What operand identity across layouts compares: Q, K and V as captured, and the mask
+        as applied (:func:`applied_mask`; the captured mask buffer where it is not known)."""
+        h = {k: v.sha256 for k, v in self.operands.items() if k != "mask"}
+        if self.mask_applied is None:
+            h["mask"] = self.operands["mask"].sha256
+        else:
+            m = np.ascontiguousarray(self.mask_applied, np.float32)
+            h["mask"] = hashlib.sha256(f"{m.shape}|".encode() + m.tobytes()).hexdigest()
+        return h
+
+
+def applied_mask(att, softmaxes) -> np.ndarray:
+    """The mask as ggml's ``soft_max_ext`` applies it, in the native order (h_Q, q, n_kv):
+    for each softmax node (arrays in ggml order, ne reversed) the input row i1 of head i2 and
+    batch i3 reads mask row i1 of mask plane (i2 mod ne2, i3 mod ne3); rows past the input's
+    (padding) are not read. ``att`` puts the per-node arrays in the native order as it does
+    the outputs."""
+    per = []
+    for s in softmaxes:
+        m = np.asarray(s.srcs[1].data, dtype=np.float32)
+        m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+        n3, n2, n1, n0 = (int(x) for x in reversed(tuple(s.ne)[:4]))
+        per.append(m[np.arange(n3) % m.shape[0]][:, np.arange(n2) % m.shape[1]][:, :, :n1, :n0])
+    return att.native_order(per)
 
 
 def _f32(word: int) -> float:
@@ -157,13 +187,17 @@ def extract_attention(run, layer: int, micro_batch: tuple[int, int] | None = Non
         consumed[f"qk{tag}.src1"] = _desc(a.srcs[1])
         consumed[f"softmax{tag}.mask"] = _desc(b.srcs[1])
         consumed[f"av{tag}.src0"] = _desc(c.srcs[0])
+    try:
+        mask_applied = applied_mask(att, sm)
+    except (ValueError, IndexError, TypeError):  # a mask view the capture did not keep whole
+        mask_applied = None
     h_q, h_kv = int(qn.ne[2]), int(kn.ne[2])
     if h_kv == 0 or h_q % h_kv:
         raise ConfigError(f"layer {layer}: non-integral GQA ratio {h_q}/{h_kv}")
     r2 = h_q // h_kv
     return AttnCapture(layer, layout, nq, int(kn.ne[1]), ops, consumed, outs, _f32(sm[0].op_params[0]),
                        _f32(sm[0].op_params[1]), [a // r2 for a in range(h_q)],
-                       [n for n in nodes if n.op not in ("PERMUTE", "VIEW")] + [qn, kn, vn])
+                       [n for n in nodes if n.op not in ("PERMUTE", "VIEW")] + [qn, kn, vn], mask_applied)
 
 
 def view_maps_ok(cap: AttnCapture) -> bool:
@@ -316,6 +350,7 @@ def run_e1(model, prompt_tokens, *, layers=None, phases=PHASES, qs=(1, 2, 3, 4),
     built = np.full((nL, nP, nQ, nY), "", dtype=object)
     reason = np.full((nL, nP, nQ, nY), "", dtype=object)
     operands_same = np.zeros((nL, nP, nQ), dtype=np.int8)
+    pair_same = np.full((nL, nP, nQ, nR), -1, dtype=np.int8)  # -1: not compared (a layout missing or failing)
     n_kv = np.zeros((nL, nP, nQ), dtype=int)
     vis0 = np.zeros((nL, nP, nQ), dtype=int)
     vis1 = np.zeros((nL, nP, nQ), dtype=int)
@@ -354,10 +389,9 @@ def run_e1(model, prompt_tokens, *, layers=None, phases=PHASES, qs=(1, 2, 3, 4),
                     n_kv[li, pi, qi] = c.n_kv
                     vis0[li, pi, qi], vis1[li, pi, qi] = r.visible
                     scale[li, pi, qi] = c.scale
-                    hashes[(L, ph, q, lo)] = c.hashes()
+                    hashes[(L, ph, q, lo)] = c.identity()
                 hs = [hashes[(L, ph, q, lo)] for lo in layouts if (L, ph, q, lo) in hashes]
-                same_ops = all(h == hs[0] for h in hs) if hs else False
-                operands_same[li, pi, qi] = same_ops
+                operands_same[li, pi, qi] = all(h == hs[0] for h in hs) if hs else False
                 for ri, (x, y) in enumerate(PAIRS):
                     if x not in layouts or y not in layouts:
                         status[li, pi, qi, ri] = "not requested"
@@ -368,8 +402,9 @@ def run_e1(model, prompt_tokens, *, layers=None, phases=PHASES, qs=(1, 2, 3, 4),
                     if x not in ok_layouts or y not in ok_layouts:
                         status[li, pi, qi, ri] = "withheld: a control failed"
                         continue
-                    if not same_ops:
-                        status[li, pi, qi, ri] = "withheld: operands differ across layouts"
+                    pair_same[li, pi, qi, ri] = hashes[(L, ph, q, x)] == hashes[(L, ph, q, y)]
+                    if not pair_same[li, pi, qi, ri]:
+                        status[li, pi, qi, ri] = "withheld: operands differ"
                         continue
                     status[li, pi, qi, ri] = "compared"
                     for si, st in enumerate(STAGES):
@@ -386,6 +421,7 @@ def run_e1(model, prompt_tokens, *, layers=None, phases=PHASES, qs=(1, 2, 3, 4),
             "built_layout": (("layer", "phase", "q", "layout"), built.astype(str)),
             "control_reason": (("layer", "phase", "q", "layout"), reason.astype(str)),
             "operands_identical": (("layer", "phase", "q"), operands_same),
+            "pair_operands_identical": (("layer", "phase", "q", "pair"), pair_same),
             "n_kv": (("layer", "phase", "q"), n_kv),
             "visible_first": (("layer", "phase", "q"), vis0),
             "visible_last": (("layer", "phase", "q"), vis1),
@@ -433,15 +469,23 @@ def e1_markdown(ds) -> str:
              f"Prompt tokens: {a['n_prompt']}; layouts available: {a['layouts_available']} "
              f"(layout patch {'present' if a['layout_patch'] else 'missing'}); head map: {a['head_map']}.", "",
              "Controls per layout: observed / repeat bitwise / capture on-off logits / layout views read the "
-             "canonical Q (1 pass, 0 fail, - not available). A comparison is withheld when a control fails or "
-             "when the operands differ across layouts (at deeper layers the earlier layers already ran under "
-             "each layout; the standalone replay compares the layouts on the frozen MQ operands instead).", "",
+             "canonical Q (1 pass, 0 fail, - not available). Operands identical: across every layout, else the "
+             "pairs whose Q, K, V and applied mask are equal. A pair's comparison is withheld when a control fails "
+             "or when its operands differ (at deeper layers the earlier layers already ran under each layout; "
+             "the standalone replay compares the layouts on the frozen MQ operands instead).", "",
              "| layer | phase | q | visible keys | n_kv | controls " + " ".join(f"{lo}" for lo in ds["layout"].values)
              + " | operands identical | " + " | ".join(ds["pair"].values) + " |",
              "| --- | --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in ds["pair"].values) + " |"]
 
     def c(v):
         return "-" if int(v) < 0 else str(int(v))
+
+    def same_text(li, pi, qi):
+        if ds["operands_identical"].values[li, pi, qi] == 1:
+            return "yes"
+        pairs = ds["pair_operands_identical"].values[li, pi, qi] if "pair_operands_identical" in ds else ()
+        same = [str(p).replace("-", "=") for p, v in zip(ds["pair"].values, pairs) if v == 1]
+        return "no" + (f" ({', '.join(same)} only)" if same else "")
 
     for li, L in enumerate(ds["layer"].values):
         for pi, ph in enumerate(ds["phase"].values):
@@ -454,7 +498,7 @@ def e1_markdown(ds) -> str:
                 lines.append(
                     f"| {L} | {ph} | {q} | {int(ds['visible_first'].values[li, pi, qi])}.."
                     f"{int(ds['visible_last'].values[li, pi, qi])} | {int(ds['n_kv'].values[li, pi, qi])} | {ctl} | "
-                    f"{'yes' if ds['operands_identical'].values[li, pi, qi] == 1 else 'no'} | "
+                    f"{same_text(li, pi, qi)} | "
                     + " | ".join(cell(li, pi, qi, ri) for ri in range(ds.sizes["pair"])) + " |")
     lines.append("")
     return "\n".join(lines)

@@ -398,14 +398,32 @@ class Context(Closing):
             raise DecodeError(f"llama_state_seq_get_data wrote {w} of {n} bytes")
         return bytes(buf)
 
+    def state_matches(self, blob, seq_id: int = 0, chunk: int = 1 << 24) -> bool:
+        """Whether the sequence's state reads back as ``blob`` byte for byte: one read-back
+        buffer, compared in chunks (no copy of either side, whatever the state's size)."""
+        L = llama()
+        want = np.frombuffer(blob, dtype=np.uint8)
+        n = L.llama_state_seq_get_size(self.ptr, seq_id)
+        if n != len(want):
+            return False
+        buf = (ctypes.c_uint8 * n)()
+        w = L.llama_state_seq_get_data(self.ptr, buf, n, seq_id)
+        if w != n:
+            raise DecodeError(f"llama_state_seq_get_data wrote {w} of {n} bytes")
+        got = np.frombuffer(buf, dtype=np.uint8)
+        return all(np.array_equal(got[i:i + chunk], want[i:i + chunk]) for i in range(0, n, chunk))
+
     def state_set(self, blob: bytes, seq_id: int = 0) -> None:
         L = llama()
-        # a bytearray is handed over as it is (llama.cpp only reads it), bytes are copied once
-        buf = (ctypes.c_uint8 * len(blob)).from_buffer(blob) if isinstance(blob, bytearray) else \
-            (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-        r = L.llama_state_seq_set_data(self.ptr, buf, len(blob), seq_id)
-        if r != len(blob):
-            raise DecodeError(f"llama_state_seq_set_data consumed {r} of {len(blob)} bytes "
+        # handed over where it lies, never copied (llama.cpp only reads it): bytes, a bytearray or a
+        # read-only map of a capture's kv.bin
+        view = np.frombuffer(blob, dtype=np.uint8)
+        buf = view.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        n = len(view)
+        r = L.llama_state_seq_set_data(self.ptr, buf, n, seq_id)
+        del view, buf
+        if r != n:
+            raise DecodeError(f"llama_state_seq_set_data consumed {r} of {n} bytes "
                               "(state rejected by llama.cpp: wrong geometry, type or context size)")
 
     # -- perf ---------------------------------------------------------------
