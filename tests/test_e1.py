@@ -35,6 +35,8 @@ def test_controls_pass_for_mq_at_every_q(e1):
     assert (mq["capture_onoff_equal"] == 1).all(), "capture on/off must give the same logits"
     assert (mq["views_read_canonical_q"] == 1).all()
     assert (ds["operands_identical"] == 1).all()
+    # pair by pair too (Q, K, V and the mask as applied); -1: a layout of the pair not in the build
+    assert (ds["pair_operands_identical"] == (1 if layouts.available() else -1)).all()
     vis = ds.sel(layer=LAYER)
     assert vis["visible_first"].sel(phase="prefill").values.tolist() == [1, 1, 1, 1]
     assert vis["visible_last"].sel(phase="prefill").values.tolist() == list(QS)
