@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import sys
 import tempfile
@@ -150,7 +149,7 @@ def main(argv=None) -> int:
         size = len(cap_a.blob)
         cap_b = step("capture B (prefill)", lambda: form(m, prompt, parse_schedule("B"), base))
         step("capture B (archive written)", lambda: save_capture(cap_b, d / "B"))
-        del cap_a, cap_b
+        cap_a = cap_b = None  # the captures live on as their archives
         ra = step("verify A (load, every hash)", lambda: load_capture(d / "A", mapped=True))
         step("a context of A's configuration alone (created, closed)", lambda: Context(m, config_of(ra)).close())
         rb = load_capture(d / "B", mapped=True)
