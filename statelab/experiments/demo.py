@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from statelab import prompts as prompts_mod
@@ -20,7 +19,7 @@ from statelab.experiments.frontier_panels import frontier_section as section
 from statelab.experiments.matrix.progress import RichReporter
 from statelab.experiments.matrix.runner import run_study
 from statelab.experiments.matrix.spec import spec_from_data
-from statelab.experiments.partition import partition_dataset, study_prompt
+from statelab.experiments.partition import PartitionSpec, cell_text, run_partition
 from statelab.lab.formation import differing_arms
 from statelab.lab.receiver import check_cap
 from statelab.errors import ConfigError
@@ -83,20 +82,6 @@ def arms_for(backend: str) -> dict:
     return differing_arms(backend)
 
 
-def _cell(v) -> str:
-    """A study row's value as shown in the console table and the report ("=": no difference)."""
-    return "=" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
-
-
-def markdown_table(rows: list[dict]) -> str:
-    if not rows:
-        return "(no rows)\n"
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
 def frontier_section(model, base, prompts, cap: int = 48, console=None, directions=None,
                      results_path: Path | None = None) -> str:
     """The L0 and POSITION frontier panels of ``prompts`` (Prompt objects or prompt specs) as a
@@ -139,35 +124,32 @@ def _run(console, model_path, backend: str, cap: int, tasks: list[str], threads:
          matrix_cap: int):
     check_cap(cap)
     prepare_backend(backend)
-    ps = [prompts_mod.resolve(t.strip()) for t in tasks if t.strip()]
+    specs = [t.strip() for t in tasks if t.strip()]
+    for t in specs:
+        prompts_mod.resolve(t)  # every prompt checked before any run
     arms = arms_for(backend)
-    model = Model(model_path, backend=backend)
-    base = ContextConfig(backend=backend, n_threads=threads)
-    n_steps = len(ps) * (2 * len(arms) + 2 * (len(arms) - 1))
-    rows, results, t0 = [], [], time.perf_counter()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=console, transient=True) as prog:
-        task = prog.add_task(f"partition study ({', '.join(arms)})", total=n_steps)
-        for p in ps:
-            res = study_prompt(model, p, arms, base, cap, progress=lambda: prog.advance(task), trace=True)
-            rows += res.rows()
-            results.append(res)
+    t0 = time.perf_counter()
+    study = run_partition(PartitionSpec(specs, "study", {n: a.name for n, a in arms.items()}, cap=cap,
+                                        backend=backend, threads=threads, model=model_path),
+                          Path(out) / "partition", RichReporter(console, f"partition study ({', '.join(arms)})",
+                                                                transient=True))
+    rows = study.outputs["rows"]
     t = Table(title=f"partition study on {backend}: arms {', '.join(arms)}, cap {cap} "
                     f"({time.perf_counter() - t0:.0f} s)")
     for col in rows[0] if rows else []:
         t.add_column(col)
     for r in rows:
-        t.add_row(*[_cell(v) for v in r.values()])
+        t.add_row(*[cell_text(v) for v in r.values()])
     console.print(t)
     console.print("first_diff: first differing output index of the natural endpoints ('=' equal); "
                   "cross classes: B reproduces the donor, C third trajectory, D keeps the recipient.")
+    model = Model(model_path, backend=backend)
+    base = ContextConfig(backend=backend, n_threads=threads)
     report = (f"# statelab demo ({backend})\n\nmodel: {model.info.name} ({model.sha256[:16]})\n\n"
-              f"## Partition study (arms {', '.join(arms)}, cap {cap})\n\n" + markdown_table(rows))
+              f"## Partition study (arms {', '.join(arms)}, cap {cap})\n\n" + study.outputs["markdown"])
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    partition = partition_dataset(results, backend, cap) if results else None
-    if partition is not None:
-        atomic_write_netcdf(out / "partition.nc", partition)
+    partition = study.outputs["dataset"]
+    atomic_write_netcdf(out / "partition.nc", partition)
     matrix_ds = frontier_ds = None
     if matrix:
         section, effects = selector_matrix(console, model_path, backend, arms, matrix_tasks or default_matrix_tasks(backend),
