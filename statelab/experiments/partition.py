@@ -24,6 +24,7 @@ from statelab.experiments.executors import Unit
 from statelab.experiments.folder import RunFolder, normalized_hash
 from statelab.experiments.log import CellLog
 from statelab.experiments.records import PARTITION_UNIT
+from statelab.experiments.spec_run import prompt_key
 from statelab.kvstate import compare
 from statelab.lab.formation import PRESETS, Schedule, paper_sweep, parse_schedule, partition_sweep, prefill
 from statelab.lab.intervene import config_of, cross, natural, sham
@@ -326,7 +327,7 @@ def unit_result(task: dict) -> dict:
             rec = prompt_record(study_prompt(model, p, arms, spec.config(), spec.cap, spec.crosses, trace=True))
         # the result as JSON text: the log sorts its records' keys, the rows keep their column order
         return {"key": task["key"], "status": "ok", "spec_hash": task["spec_hash"], "prompt": rec["prompt"],
-                "result": json.dumps(rec)}
+                "prompt_sha256": p.sha256, "result": json.dumps(rec)}  # the text as rendered here
     except StatelabError as e:
         return unit_failed(task, str(e))
 
@@ -354,7 +355,7 @@ def _identity(run) -> tuple[str, dict]:
     elif spec.mode == "sweep":
         sweep_schedules(None, None, spec.schedules)
     fields = asdict(spec)
-    fields["prompts"] = [f"{p.id}@{p.sha256[:12]}" for p in ps]
+    fields["prompts"] = [prompt_key(p) for p in ps]
     fields["model"] = model_sha256(resolve_model(spec.model))
     h = normalized_hash(fields)
     tasks = [{"key": key, "prompt": t, "spec": asdict(spec), "spec_hash": h}

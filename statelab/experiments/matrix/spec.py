@@ -77,7 +77,7 @@ class StudySpec(SpecCommon):
             "n_ctx": self.n_ctx,
             "cap": self.cap,
             "repeats": self.repeats,
-            "prompts": [{"spec": s, "id": p.id, "sha256": p.sha256} for s, p in zip(self.prompt_specs, self.prompts)],
+            "prompts": [{"spec": s, "id": p.id, "sha256": p.identity} for s, p in zip(self.prompt_specs, self.prompts)],
             "arms": {name: s.as_dict() for name, s in self.arms.items()},
             "selectors": [{"name": n, "terms": s.describe()} for n, s in self.selectors.items()],
             "directions": self.direction_labels,
