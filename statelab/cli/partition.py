@@ -33,7 +33,7 @@ def sweep(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEva
     ``partition``), resumable in its run folder."""
     from rich.markup import escape
 
-    from statelab.experiments.matrix.progress import RichReporter
+    from statelab.experiments.progress import RichReporter
     from statelab.experiments.partition import PartitionSpec, run_partition, sweep_table
 
     if tasks is not None:

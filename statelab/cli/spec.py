@@ -83,7 +83,7 @@ def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see
                                                          "many seconds (run again with the same --out to resume)")):
     """Fresh worker processes, counterbalanced blocks, sessions, bootstrap intervals; resumable."""
     from statelab.experiments.campaign import CampaignSpec, run_campaign
-    from statelab.experiments.matrix.progress import RichReporter
+    from statelab.experiments.progress import RichReporter
     from statelab.report import campaign_page
 
     spec = CampaignSpec.load(spec_path, draft=draft, k=k, k_max=k_max, cap=cap)
@@ -105,7 +105,7 @@ def spec_masks(tasks: str = typer.Option("HumanEval/0,HumanEval/2,HumanEval/4,Hu
                threads: int = ThreadsOpt, out: Path = typer.Option(Path("runs/masks"), "--out")):
     """Phase-mask experiment: which masks reproduce R; the inclusion-minimal ones."""
     from statelab.experiments.masks import MaskSpec, run_masks
-    from statelab.experiments.matrix.progress import RichReporter
+    from statelab.experiments.progress import RichReporter
     from statelab.experiments.spec_run import resolve_draft
     from statelab.speculative.transaction import parse_masks
 

@@ -16,7 +16,7 @@ from rich.table import Table
 from statelab import prompts as prompts_mod
 from statelab.analysis.results import load_results
 from statelab.experiments.frontier_panels import frontier_section as section
-from statelab.experiments.matrix.progress import RichReporter
+from statelab.experiments.progress import RichReporter
 from statelab.experiments.matrix.runner import run_study
 from statelab.experiments.matrix.spec import spec_from_data
 from statelab.experiments.partition import PartitionSpec, cell_text, run_partition

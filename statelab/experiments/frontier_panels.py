@@ -74,6 +74,7 @@ from statelab.lab.formation import differing_arms
 from statelab.lab.intervene import account, natural, subset_cross
 from statelab.paths import atomic_write_text, read_json_record
 from statelab.lab.receiver import Endpoint
+from statelab.resources import spec_file
 from statelab.runtime import ContextConfig, Model, prepare_backend
 from statelab.selection import Selection, apply_subset, load_selector, select
 from statelab.experiments.specfile import SpecCommon, check_prompt_fits, spec_error
@@ -150,7 +151,7 @@ def _err(path, msg: str) -> FrontierRunError:
 def load_spec(path: str | os.PathLike, check_model: bool = True) -> FrontierSpec:
     """Parse and validate a frontier spec; every error is a one-line :class:`FrontierRunError`.
     With ``check_model`` the GGUF header is read (no weights) to check selector layers."""
-    path = Path(path)
+    path = spec_file(path)
     data = sf.load_toml_spec(path, "frontier spec", FrontierRunError, _TOP_KEYS, _REQUIRED)
 
     def err(msg: str) -> FrontierRunError:
