@@ -82,9 +82,28 @@ def demo(model: Optional[Path] = ModelOpt, backend: str = BackendOpt, cap: int =
     """The main job: a partition study on a few HumanEval prompts (natural arms, shams,
     whole-KV crosses both ways) with arms that differ on this backend."""
     from statelab.experiments import demo as demo_mod
+    from statelab.experiments.partition import cell_text
+    from statelab.experiments.progress import RichReporter
     from statelab.report import demo_page
 
-    res = demo_mod.run(console, model, backend, cap, (tasks or demo_mod.default_tasks(backend)).split(","), threads,
+    class View(demo_mod.DemoView):  # the terminal's view of the demo while it runs
+        def progress(self, label, transient=False):
+            return RichReporter(console, label, transient=transient)
+
+        def partition(self, rows, title):
+            t = Table(title=title)
+            for col in rows[0] if rows else []:
+                t.add_column(col)
+            for r in rows:
+                t.add_row(*[cell_text(v) for v in r.values()])
+            console.print(t)
+            console.print("first_diff: first differing output index of the natural endpoints ('=' equal); "
+                          "cross classes: B reproduces the donor, C third trajectory, D keeps the recipient.")
+
+        def say(self, text):
+            console.print(text, markup=False, highlight=False)
+
+    res = demo_mod.run(View(), model, backend, cap, (tasks or demo_mod.default_tasks(backend)).split(","), threads,
                        out, frontier_cap=matrix_cap, matrix=matrix, matrix_cap=matrix_cap,
                        page=lambda folder, r: demo_page(folder, r.partition, r.matrix, r.frontier))
     console.print(f"report: {res.report}, {res.page}")
