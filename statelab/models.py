@@ -152,6 +152,7 @@ class ModelInfo:
     n_swa: int  # sliding window (0: none)
     swa_layers: list  # model layers that attend through the sliding window
     layer_kinds_known: bool  # False: a sliding window whose layer pattern statelab does not know
+    chat_template_sha256: str = ""  # sha256 of tokenizer.chat_template ("": the GGUF carries none)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -175,7 +176,7 @@ def read_model_info(path: str | os.PathLike | None = None) -> ModelInfo:
     mtime) under the user cache like the file hash: parsing the header with `gguf` walks the
     whole vocabulary (seconds), which every fresh worker process would otherwise repeat."""
     p = resolve_model(path)
-    cache, key, known = _file_cache(p, "model-info-2.json")
+    cache, key, known = _file_cache(p, "model-info-3.json")
     hit = known.get(key)
     if isinstance(hit, dict):
         try:
@@ -260,7 +261,9 @@ def _read_header(p: Path) -> ModelInfo:
     n_vocab = int(get(f"{arch}.vocab_size", len(tokens.data) if tokens is not None else 0))
     n_layer = int(get(f"{arch}.block_count", 0))
     kind, n_swa, swa_layers, known = memory_kind_of(arch, n_layer, get)
+    template = get("tokenizer.chat_template")
     return ModelInfo(
+        chat_template_sha256=hashlib.sha256(str(template).encode()).hexdigest() if template else "",
         memory_kind=kind, n_swa=n_swa, swa_layers=swa_layers, layer_kinds_known=known,
         path=str(p), sha256=model_sha256(p), architecture=arch, name=str(get("general.name", p.stem)),
         n_layer=n_layer, n_embd=n_embd, n_head=n_head,

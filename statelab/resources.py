@@ -23,3 +23,14 @@ def data_dir(name: str) -> Path:
     if installed.is_dir():
         return installed
     return Path(__file__).resolve().parent.parent / name
+
+
+def spec_file(path) -> Path:
+    """A spec file as given; where no such file exists and ``path`` names a spec that comes
+    with statelab (``ci``, ``ci.toml`` or ``studies/ci.toml``), that one, so the documented
+    commands (``statelab study run studies/ci.toml``) work from any folder."""
+    p = Path(path)
+    if p.exists() or p.is_absolute() or len(p.parts) > 2 or (len(p.parts) == 2 and p.parts[0] != "studies"):
+        return p
+    shipped = data_dir("studies") / (p.name if p.suffix == ".toml" else p.name + ".toml")
+    return shipped if shipped.is_file() else p

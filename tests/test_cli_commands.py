@@ -44,13 +44,15 @@ def test_sham_reproduces_the_natural_endpoint(a_capture):
 def test_sweep_classes_on_cpu(tmp_path):
     """On CPU, prefill with ubatch >= 2 forms bitwise the same state; ubatch 1 does not."""
     out = tmp_path / "sweep.json"
-    r = run_cli("sweep", "-H", "2", "--schedules", "A,ub4,64+rest,R", "--cap", "4", "--json", out)
+    r = run_cli("sweep", "-H", "2", "--schedules", "A,ub4,64+rest,R", "--cap", "4", "--json", out,
+                "--out", tmp_path / "run")
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     assert [row["schedule"] for row in res["rows"]] == ["A", "ub4", "64+rest", "R"]
     classes = [sorted(c) for c in res["state_classes"]]
     assert ["64+rest", "A", "ub4"] in classes and ["R"] in classes
     assert "state classes:" in r.stdout
+    assert json.loads((tmp_path / "run" / "sweep.json").read_text()) == [res]  # the run folder of the engine
 
 
 def test_replay_of_a_layer(tmp_path):

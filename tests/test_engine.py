@@ -95,7 +95,7 @@ def test_another_spec_and_a_second_writer_are_refused(tmp_path):
 def test_every_kind_is_registered_with_its_unit_module():
     from statelab.experiments import kinds
 
-    assert sorted(kinds.KINDS) == ["campaign", "findings", "frontier", "matrix"]
+    assert sorted(kinds.KINDS) == ["campaign", "findings", "frontier", "masks", "matrix", "partition"]
     run = SimpleNamespace(spec=SimpleNamespace(threads=0))
     for k in kinds.KINDS.values():
         assert k.unit(run).fn.partition(":")[0] == k.unit_module, k.name

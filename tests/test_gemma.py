@@ -178,8 +178,8 @@ def test_cli_capture_sham_cross_diff_and_refusals(cli, tmp_path):
     assert not (tmp_path / "q").exists()
 
 
-def test_cli_sweep(cli):
-    r = cli("sweep", "-H", "2", "--model", "gemma3", "--schedules", "A,C,R", "--cap", "3")
+def test_cli_sweep(cli, tmp_path):
+    r = cli("sweep", "-H", "2", "--model", "gemma3", "--schedules", "A,C,R", "--cap", "3", "--out", tmp_path / "run")
     assert r.returncode == 0, r.stderr
     assert "state classes:    A, C | R" in r.stdout
 

@@ -401,10 +401,11 @@ def _mapped(pid: int, path: str) -> bool:
 
 @pytest.mark.cli
 @pytest.mark.model
-def test_ctrl_c_exits_130_with_one_line():
+def test_ctrl_c_exits_130_with_one_line(tmp_path):
     from statelab.models import default_model_path
 
-    proc = subprocess.Popen(STATELAB + ["sweep", "-H", "2", "--cap", "128"], cwd=REPO,  # a minute of work
+    proc = subprocess.Popen(STATELAB + ["sweep", "-H", "2", "--cap", "128", "--out", str(tmp_path / "sweep")],
+                            cwd=REPO,  # a minute of work
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     model_file = str(Path(default_model_path()).resolve())
     deadline = time.monotonic() + 60

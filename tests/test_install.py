@@ -65,12 +65,14 @@ def test_the_installed_package_finds_its_data_folders(installed, tmp_path):
     assert search == [str(data / "selectors")]
     assert {"EMPTY", "ALL", "LATE", "FULL", "SWA"} <= set(names)
     assert sorted(p.name for p in (data / "studies").glob("*.toml")) == sorted(p.name for p in (REPO / "studies").glob("*.toml"))
-    # an installed study spec resolves its selectors (named and ../selectors/layers/...) and prompts
-    code = ("from statelab.experiments.matrix.spec import load_spec; from statelab.resources import data_dir;"
-            "s = load_spec(data_dir('studies') / 'findings-ci.toml', check_model=False); print(len(s.selectors))")
+    # an installed study spec, named as the docs name it (studies/NAME.toml) from another folder,
+    # resolves its selectors (named and ../selectors/layers/...) and prompts
+    code = ("from statelab.experiments.matrix.spec import load_spec;"
+            "s = load_spec('studies/findings-ci.toml', check_model=False); print(len(s.selectors), s.path)")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert int(r.stdout) == 8
+    n, path = r.stdout.split()
+    assert int(n) == 8 and Path(path) == data / "studies" / "findings-ci.toml"
 
 
 def test_statelab_runs_a_study_of_named_selectors_from_another_folder(installed, tmp_path):

@@ -181,16 +181,26 @@ def test_campaign_writes_a_forest_plot(tmp_path):
 
 @pytest.mark.model
 def test_demo_and_diff_plot(tmp_path):
-    from rich.console import Console
-
     from statelab.experiments import demo
     from statelab.report import demo_page
 
-    out = tmp_path / "demo"
-    res = demo.run(Console(file=open(tmp_path / "demo.log", "w")), None, "cpu", 8, ["HumanEval/86"], 1, out,
+    class Seen(demo.DemoView):  # the demo shows nothing itself: what a caller's view hears
+        tables: list = []
+        lines: list = []
+
+        def partition(self, rows, title):
+            self.tables.append((title, rows))
+
+        def say(self, text):
+            self.lines.append(text)
+
+    out, seen = tmp_path / "demo", Seen()
+    res = demo.run(seen, None, "cpu", 8, ["HumanEval/86"], 1, out,
                    frontier_tasks=["HumanEval/86"], frontier_cap=4, matrix=False,
                    page=lambda folder, r: demo_page(folder, r.partition, r.matrix, r.frontier))
     rows = res.rows
+    assert [t for t, _ in seen.tables] and seen.tables[0][1] == rows and "partition study on cpu" in seen.tables[0][0]
+    assert any("HumanEval/86" in line for line in seen.lines)  # the frontier section's lines
     assert res.page == out / "report.html"
     assert demo.failed_controls(rows, out) == []
     assert demo.failed_controls([dict(rows[0], shams_ok=False)], out) == [

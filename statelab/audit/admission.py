@@ -15,7 +15,7 @@ from statelab.errors import ConfigError
 from statelab.runtime import Context, ContextConfig, Model, layouts
 from statelab.runtime.admission import OPS, AttnShape, attention_operators, device_refusal, operator_admission
 from statelab.runtime.ggml_ops import backend_devices
-from statelab.runtime.layouts import ATTENTION_LAYOUTS
+from statelab.runtime.layouts import ATTENTION_LAYOUTS, Layout
 
 LAYOUTS = ATTENTION_LAYOUTS
 build_layout = attention_operators  # {op: [tensors]} of one layout in an OpGraph
@@ -130,16 +130,17 @@ def qb_admission(model_path, backend: str = "cpu") -> tuple[str, str, str]:
     """The capability row of the QB layout for a model: what the patched runtime builds for a
     4-query micro-batch with QB requested, and whether every device's supports_op accepts QB's
     operators at the model's attention shape (loads the model)."""
+    qb = str(Layout.QB)
     with Model(model_path, backend=backend) as m:
         if m.memory_kind in ("recurrent", "hybrid"):
             return ("QB admission", "refused", f"{m.memory_kind} memory: no attention layout to choose")
-        ds = run_admission(AttnShape.of_model(m), qs=(4,), layouts=("QB",), model=m,
+        ds = run_admission(AttnShape.of_model(m), qs=(4,), layouts=(qb,), model=m,
                            backend_config=ContextConfig(backend=backend))
-    sup = ds["supported"].sel(layout="QB", q=4)
+    sup = ds["supported"].sel(layout=qb, q=4)
     ok = bool((sup != 0).all())
-    built = str(ds["runtime_built"].sel(layout="QB", q=4).item()) if "runtime_built" in ds else ""
-    admitted = int(ds["runtime_admitted"].sel(layout="QB", q=4).item()) if "runtime_admitted" in ds else -1
-    reason = str(ds["runtime_reason"].sel(layout="QB", q=4).item()) if "runtime_reason" in ds else ""
+    built = str(ds["runtime_built"].sel(layout=qb, q=4).item()) if "runtime_built" in ds else ""
+    admitted = int(ds["runtime_admitted"].sel(layout=qb, q=4).item()) if "runtime_admitted" in ds else -1
+    reason = str(ds["runtime_reason"].sel(layout=qb, q=4).item()) if "runtime_reason" in ds else ""
     status = "supported" if ok and admitted == 1 else "refused"
     return ("QB admission", status, f"{backend}: supports_op {'accepts' if ok else 'rejects'} QB's operators; "
                                     f"runtime built {built or '-'} for 4 queries ({reason or 'admitted'}); "

@@ -71,7 +71,7 @@ class Geometry:
     @property
     def name(self) -> str:
         s = self.schedule.name
-        return s if self.layout == "MQ" else f"{s}:{self.layout}"
+        return s if self.layout is Layout.MQ else f"{s}:{self.layout}"
 
     def describe(self) -> str:
         return f"{self.schedule.describe()} layout={self.layout}"
@@ -84,7 +84,7 @@ def parse_geometry(text: str) -> Geometry:
     t = str(text).strip()
     sched, _, lay = t.partition(":")
     try:
-        lay = Layout.parse(lay or "MQ", FAMILY_LAYOUTS, "attention layout")
+        lay = Layout.parse(lay or Layout.MQ, FAMILY_LAYOUTS, "attention layout")
     except LayoutError as e:
         raise ConfigError(f"geometry {text!r}: {e}") from None
     return Geometry(parse_schedule(sched), lay)

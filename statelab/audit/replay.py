@@ -81,7 +81,7 @@ def replay_e1(detail: dict, layouts=LAYOUTS, device=None, threads: int | None = 
 
 
     runs = detail["runs"]
-    keys = sorted({(ph, q) for (ph, q, lo) in runs if lo == "MQ"}, key=lambda k: (k[0] != "prefill", k[1]))
+    keys = sorted({(ph, q) for (ph, q, lo) in runs if lo == Layout.MQ}, key=lambda k: (k[0] != "prefill", k[1]))
     if not keys:
         raise ConfigError("the E1 detail has no MQ capture to replay")
     layers = sorted(next(iter(runs.values())).captures)
@@ -97,7 +97,7 @@ def replay_e1(detail: dict, layouts=LAYOUTS, device=None, threads: int | None = 
     dev = _device(device)
     for (ph, q) in keys:
         pi, qi = phases.index(ph), qs.index(q)
-        r = runs[(ph, q, "MQ")]
+        r = runs[(ph, q, Layout.MQ)]
         for li, L in enumerate(layers):
             cap = r.captures[L]
             out = {}
@@ -106,7 +106,7 @@ def replay_e1(detail: dict, layouts=LAYOUTS, device=None, threads: int | None = 
                 b = replay_attention(cap, lo, dev, threads)
                 rep[li, pi, qi, yi] = all(_eq(a[s], b[s]) for s in STAGES)
                 out[lo] = a if rep[li, pi, qi, yi] else None
-            mq = out.get("MQ")
+            mq = out.get(Layout.MQ)
             for si, s in enumerate(STAGES):
                 own[li, pi, qi, si] = int(mq is not None and _eq(mq[s], cap.outputs[s]))
             own_ok = bool((own[li, pi, qi] == 1).all())

@@ -84,6 +84,15 @@ def prompt_of(prompt: Optional[str], humaneval: Optional[str], prompt_file: Opti
     return prompts.from_file(prompt_file)
 
 
+def prompt_spec_of(prompt: Optional[str], humaneval: Optional[str], prompt_file: Optional[Path]) -> str:
+    """The prompt spec (``statelab.prompts.resolve``) of the one prompt --prompt, --humaneval or
+    --prompt-file names, checked: what a unit in another process resolves again."""
+    p = prompt_of(prompt, humaneval, prompt_file)
+    if prompt is not None:
+        return "text:" + prompt
+    return p.id if humaneval is not None else f"file:{Path(prompt_file).resolve()}"
+
+
 def load_capture_dir(path: Path, mapped: bool = False):
     """``mapped``: the payload as a read-only map of its file (commands that only read it)."""
     from statelab.lab.archive import load_capture

@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from statelab.cli.common import (BackendOpt, CapOpt, CtxOpt, HumanEvalOpt, ModelOpt, PromptFileOpt, PromptOpt,
-                                 ThreadsOpt, app, console, err, prompt_of, setup)
+                                 ThreadsOpt, app, console, err, prompt_spec_of)
 from statelab.paths import atomic_write_text
 
 
@@ -24,58 +24,51 @@ def sweep(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = HumanEva
                                               "file:FILE) instead of one: one table over all of them"),
           cap: int = CapOpt, model: Optional[Path] = ModelOpt, backend: str = BackendOpt,
           threads: int = ThreadsOpt, n_ctx: int = CtxOpt,
+          out: Optional[Path] = typer.Option(None, "--out", help="run folder (resumable; default runs/sweep/<spec "
+                                             "hash>): spec.json, units.jsonl, sweep.json, report.md"),
           json_out: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON"),
           md_out: Optional[Path] = typer.Option(None, "--md", help="also write the table as Markdown")):
     """Partition sweep of one prompt (or of --tasks): endpoints, first difference from the first
-    schedule, endpoint and state classes."""
+    schedule, endpoint and state classes; one prompt per fresh process (the engine's kind
+    ``partition``), resumable in its run folder."""
     from rich.markup import escape
-    from rich.progress import Progress
 
-    from statelab.experiments.partition import sweep as run_sweep, sweep_schedules, sweep_table
-    from statelab.lab.receiver import check_cap
+    from statelab.experiments.progress import RichReporter
+    from statelab.experiments.partition import PartitionSpec, run_partition, sweep_table
 
-    check_cap(cap)
     if tasks is not None:
-        from statelab import prompts
         from statelab.errors import ConfigError
 
         if any(x is not None for x in (prompt, humaneval, prompt_file)):
             raise ConfigError("--tasks replaces --prompt, --humaneval and --prompt-file: give one of them")
-        m, base = setup(model, backend, threads, n_ctx)
-        ps = [prompts.resolve(t.strip(), model, backend) for t in tasks.split(",") if t.strip()]
-        scheds = {p.id: sweep_schedules(m, p, schedules) for p in ps}  # every prompt checked before any run
-        results = []
-        with Progress(console=console, transient=True) as prog:
-            task = prog.add_task("schedules", total=sum(len(v) for v in scheds.values()))
-            for p in ps:
-                results.append(run_sweep(m, p, scheds[p.id], base, cap, progress=lambda: prog.advance(task)))
-        if json_out:  # the runs first: a table that cannot be drawn loses nothing
-            atomic_write_text(json_out, json.dumps(results, indent=2))
-        table = (f"Partition sweep, {len(ps)} prompts x {len(next(iter(scheds.values())))} schedules, cap {cap}, "
-                 f"{backend}\n\n" + sweep_table(results))
+        specs = [t.strip() for t in tasks.split(",") if t.strip()]
+    else:
+        specs = [prompt_spec_of(prompt, humaneval, prompt_file)]
+    spec = PartitionSpec(specs, "sweep", schedules=schedules, cap=cap, backend=backend, threads=threads, n_ctx=n_ctx,
+                         model=model)
+    res = run_partition(spec, out, RichReporter(console, "prompts", transient=True))
+    results = res.outputs["records"]
+    if json_out:  # the runs first: a table that cannot be drawn loses nothing
+        atomic_write_text(json_out, json.dumps(results if tasks is not None else results[0], indent=2))
+    if tasks is not None:
+        table = (f"Partition sweep, {len(specs)} prompts x {len(results[0]['rows'])} schedules, cap {cap}, "
+                 f"{backend}\n\n" + res.outputs["markdown"])
         console.print(table, markup=False)
         if md_out:
             atomic_write_text(md_out, table)
         return
-    p = prompt_of(prompt, humaneval, prompt_file)
-    m, base = setup(model, backend, threads, n_ctx)
-    scheds = sweep_schedules(m, p, schedules)
-    with Progress(console=console, transient=True) as prog:
-        task = prog.add_task("schedules", total=len(scheds))
-        res = run_sweep(m, p, scheds, base, cap, progress=lambda: prog.advance(task))
-    t = Table(title=f"partition sweep {p.id} ({res['rows'][0]['n_prompt']} tokens, cap {cap}, {backend})")
+    r0 = results[0]
+    t = Table(title=f"partition sweep {r0['prompt']} ({r0['rows'][0]['n_prompt']} tokens, cap {cap}, {backend})")
     for col in ("schedule", "kv", "logits", "len", "stop", "first diff"):
         t.add_column(col)
-    for r in res["rows"]:
+    for r in r0["rows"]:
         t.add_row(escape(r["describe"]), r["kv_sha256"], r["logits_sha256"], str(r["length"]), r["stop"],
                   "=" if r["first_diff"] is None else str(r["first_diff"]))
     console.print(t)
-    console.print("endpoint classes: " + " | ".join(", ".join(c) for c in res["endpoint_classes"]))
-    console.print("state classes:    " + " | ".join(", ".join(c) for c in res["state_classes"]))
-    if json_out:
-        atomic_write_text(json_out, json.dumps(res, indent=2))
+    console.print("endpoint classes: " + " | ".join(", ".join(c) for c in r0["endpoint_classes"]))
+    console.print("state classes:    " + " | ".join(", ".join(c) for c in r0["state_classes"]))
     if md_out:
-        atomic_write_text(md_out, sweep_table([res]))
+        atomic_write_text(md_out, sweep_table([r0]))
 
 
 @app.command()
@@ -89,9 +82,28 @@ def demo(model: Optional[Path] = ModelOpt, backend: str = BackendOpt, cap: int =
     """The main job: a partition study on a few HumanEval prompts (natural arms, shams,
     whole-KV crosses both ways) with arms that differ on this backend."""
     from statelab.experiments import demo as demo_mod
+    from statelab.experiments.partition import cell_text
+    from statelab.experiments.progress import RichReporter
     from statelab.report import demo_page
 
-    res = demo_mod.run(console, model, backend, cap, (tasks or demo_mod.default_tasks(backend)).split(","), threads,
+    class View(demo_mod.DemoView):  # the terminal's view of the demo while it runs
+        def progress(self, label, transient=False):
+            return RichReporter(console, label, transient=transient)
+
+        def partition(self, rows, title):
+            t = Table(title=title)
+            for col in rows[0] if rows else []:
+                t.add_column(col)
+            for r in rows:
+                t.add_row(*[cell_text(v) for v in r.values()])
+            console.print(t)
+            console.print("first_diff: first differing output index of the natural endpoints ('=' equal); "
+                          "cross classes: B reproduces the donor, C third trajectory, D keeps the recipient.")
+
+        def say(self, text):
+            console.print(text, markup=False, highlight=False)
+
+    res = demo_mod.run(View(), model, backend, cap, (tasks or demo_mod.default_tasks(backend)).split(","), threads,
                        out, frontier_cap=matrix_cap, matrix=matrix, matrix_cap=matrix_cap,
                        page=lambda folder, r: demo_page(folder, r.partition, r.matrix, r.frontier))
     console.print(f"report: {res.report}, {res.page}")

@@ -83,7 +83,7 @@ def spec_campaign(spec_path: Path = typer.Argument(..., help="campaign TOML (see
                                                          "many seconds (run again with the same --out to resume)")):
     """Fresh worker processes, counterbalanced blocks, sessions, bootstrap intervals; resumable."""
     from statelab.experiments.campaign import CampaignSpec, run_campaign
-    from statelab.experiments.matrix.progress import RichReporter
+    from statelab.experiments.progress import RichReporter
     from statelab.report import campaign_page
 
     spec = CampaignSpec.load(spec_path, draft=draft, k=k, k_max=k_max, cap=cap)
@@ -104,19 +104,15 @@ def spec_masks(tasks: str = typer.Option("HumanEval/0,HumanEval/2,HumanEval/4,Hu
                model: Optional[Path] = ModelOpt, draft: str = DraftOpt, backend: str = BackendOpt,
                threads: int = ThreadsOpt, out: Path = typer.Option(Path("runs/masks"), "--out")):
     """Phase-mask experiment: which masks reproduce R; the inclusion-minimal ones."""
-    from rich.progress import Progress
-
-    from statelab.experiments.masks import mask_markdown, phase_mask_experiment, write_masks
+    from statelab.experiments.masks import MaskSpec, run_masks
+    from statelab.experiments.progress import RichReporter
     from statelab.experiments.spec_run import resolve_draft
     from statelab.speculative.transaction import parse_masks
 
     ms = parse_masks(masks)
     ps = [x.strip() for x in tasks.split(",") if x.strip()]
-    n = len(ps) * (1 + len(ms) * repeats)
-    with Progress(console=console, transient=True) as prog:
-        task = prog.add_task("requests", total=n)
-        res = phase_mask_experiment(model, resolve_draft(model, draft), ps, ms, repeats, k, ubatch, cap, arm, backend,
-                                    threads, progress=lambda: prog.advance(task))
-    md = mask_markdown(res, ps)
-    console.print(md, markup=False, highlight=False)
-    write_masks(out, res, md)
+    spec = MaskSpec(ps, None, ms, repeats, k, ubatch, cap, arm, backend, threads,
+                    None if model is None else str(model)).validate()
+    spec.draft = resolve_draft(model, draft)
+    res = run_masks(spec, out, progress=RichReporter(console, "requests", transient=True))
+    console.print(res.outputs["markdown"], markup=False, highlight=False)

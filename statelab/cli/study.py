@@ -30,7 +30,7 @@ def study_run(spec: Path = typer.Argument(..., help="study spec (studies/*.toml)
     """Run (or resume) a study: controls per prompt, then every cell in a fresh process (batch:
     a process per batch of cells, each cell in a cleared context)."""
     from statelab.experiments.matrix import run_study
-    from statelab.experiments.matrix.progress import RichReporter
+    from statelab.experiments.progress import RichReporter
     from statelab.experiments.matrix import StudyDir
     from statelab.report import study_page
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from statelab import prompts
 from statelab.analysis.classes import bootstrap_ratio_interval
+from statelab.resources import spec_file
 from statelab.runtime.admission import device_refusal
 from statelab.errors import ConfigError
 from statelab.experiments import engine
@@ -61,7 +62,7 @@ class CampaignSpec:
         """Read a spec; keyword overrides that are not None replace its values. ``check_fit``:
         tokenize the prompts with the spec's model and refuse one that does not fit n_ctx
         (before any work)."""
-        p = Path(path)
+        p = spec_file(path)
         raw = read_toml(p, "campaign spec", ConfigError)
         raw = raw.get("campaign", raw)
         check_keys(raw, p, "campaign spec", ConfigError, tuple(cls.__dataclass_fields__), ())

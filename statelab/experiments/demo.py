@@ -11,16 +11,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
-
 from statelab import prompts as prompts_mod
 from statelab.analysis.results import load_results
+from statelab.experiments import engine
 from statelab.experiments.frontier_panels import frontier_section as section
-from statelab.experiments.matrix.progress import RichReporter
 from statelab.experiments.matrix.runner import run_study
 from statelab.experiments.matrix.spec import spec_from_data
-from statelab.experiments.partition import partition_dataset, study_prompt
+from statelab.experiments.partition import PartitionSpec, run_partition
 from statelab.lab.formation import differing_arms
 from statelab.lab.receiver import check_cap
 from statelab.errors import ConfigError
@@ -56,7 +53,21 @@ def matrix_spec_data(model_path, backend: str, arms: dict, tasks: list[str], cap
     return data
 
 
-def selector_matrix(console, model_path, backend: str, arms: dict, tasks: list[str], cap: int, threads: int,
+class DemoView:
+    """What the demo shows while it runs: nothing here; the command passes one that draws
+    progress bars, the partition table and lines on the terminal."""
+
+    def progress(self, label: str, transient: bool = False) -> engine.Progress:
+        return engine.Progress()
+
+    def partition(self, rows: list[dict], title: str) -> None:
+        """The partition study's rows, once it ran (before the selector matrix starts)."""
+
+    def say(self, text: str) -> None:
+        """One line of what the demo did."""
+
+
+def selector_matrix(view: DemoView, model_path, backend: str, arms: dict, tasks: list[str], cap: int, threads: int,
                     out: Path) -> tuple[str, list[str]]:
     """The 12-selector matrix in both directions with 2 repeats (a study run: fresh worker
     processes, resumable).  Returns the report section and the prompts where some subset
@@ -69,11 +80,11 @@ def selector_matrix(console, model_path, backend: str, arms: dict, tasks: list[s
     threads = threads or max(1, (os.cpu_count() or workers) // workers)
     data = matrix_spec_data(model_path, backend, arms, tasks, cap, threads)
     spec = spec_from_data(data, Path(out).with_suffix(".toml"))  # stands for a spec file beside the folder
-    summary = run_study(None, out, executor="local", workers=workers, reporter=RichReporter(console), spec=spec)
+    summary = run_study(None, out, executor="local", workers=workers, reporter=view.progress("cells"), spec=spec)
     ds = xr.load_dataset(summary.results)
     effects = [str(t) for t in ds["task"].values if (ds["klass"].sel(task=t) == "B").any()]
     report = Path(summary.report).read_text()
-    console.print(f"selector matrix: {summary.ran} cells run ({summary.skipped} resumed), report {summary.report}; "
+    view.say(f"selector matrix: {summary.ran} cells run ({summary.skipped} resumed), report {summary.report}; "
                   f"donor effects (class B) on: {', '.join(effects) or 'none'}")
     return "## Selector matrix\n\n" + report.split("\n", 1)[1], effects
 
@@ -83,29 +94,15 @@ def arms_for(backend: str) -> dict:
     return differing_arms(backend)
 
 
-def _cell(v) -> str:
-    """A study row's value as shown in the console table and the report ("=": no difference)."""
-    return "=" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
-
-
-def markdown_table(rows: list[dict]) -> str:
-    if not rows:
-        return "(no rows)\n"
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
-def frontier_section(model, base, prompts, cap: int = 48, console=None, directions=None,
+def frontier_section(model, base, prompts, cap: int = 48, say=None, directions=None,
                      results_path: Path | None = None) -> str:
     """The L0 and POSITION frontier panels of ``prompts`` (Prompt objects or prompt specs) as a
     Markdown section: for the inputs where the selector matrix found donor effects.  Runs in
     this process (one repeat per direction, cap ~48) with the arms that differ on the backend;
-    the contrasts' Dataset is also saved to ``results_path`` when given."""
+    the contrasts' Dataset is also saved to ``results_path`` when given; ``say(line)`` hears
+    each panel."""
     ps = [prompts_mod.resolve(p) if isinstance(p, str) else p for p in prompts]
-    say = (lambda msg: console.print(msg, markup=False, highlight=False)) if console is not None else (lambda msg: None)
-    return section(model, base, ps, cap, arms=arms_for(base.backend), directions=directions, say=say,
+    return section(model, base, ps, cap, arms=arms_for(base.backend), directions=directions, say=say or (lambda msg: None),
                    results_path=results_path)
 
 
@@ -120,64 +117,54 @@ class DemoResult:
     page: Path | None = None  # what the caller's ``page(out, result)`` wrote (report.html)
 
 
-def run(console, model_path, backend: str, cap: int, tasks: list[str], threads: int, out: Path,
+def run(view: DemoView | None, model_path, backend: str, cap: int, tasks: list[str], threads: int, out: Path,
         frontier_tasks: list[str] | None = None, frontier_cap: int = 48, matrix: bool = True,
         matrix_tasks: list[str] | None = None, matrix_cap: int = 48, page=None) -> "DemoResult":
     """The demo into ``out``, as its one writer (a second demo on the same folder is refused);
-    the caller draws the HTML page from the returned data, under the same lock (``page``)."""
+    it returns its data and shows nothing itself (``view``: what the caller shows while it
+    runs); the caller draws the HTML page from the returned data, under the same lock (``page``)."""
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with output_lock(out, ConfigError):
-        res = _run(console, model_path, backend, cap, tasks, threads, out, frontier_tasks, frontier_cap, matrix,
+        res = _run(view or DemoView(), model_path, backend, cap, tasks, threads, out, frontier_tasks, frontier_cap, matrix,
                    matrix_tasks, matrix_cap)
         if page is not None:
             res.page = page(Path(out), res)
         return res
 
 
-def _run(console, model_path, backend: str, cap: int, tasks: list[str], threads: int, out: Path,
+def _run(view: DemoView, model_path, backend: str, cap: int, tasks: list[str], threads: int, out: Path,
          frontier_tasks: list[str] | None, frontier_cap: int, matrix: bool, matrix_tasks: list[str] | None,
          matrix_cap: int):
     check_cap(cap)
     prepare_backend(backend)
-    ps = [prompts_mod.resolve(t.strip()) for t in tasks if t.strip()]
+    specs = [t.strip() for t in tasks if t.strip()]
+    for t in specs:
+        prompts_mod.resolve(t)  # every prompt checked before any run
     arms = arms_for(backend)
+    t0 = time.perf_counter()
+    study = run_partition(PartitionSpec(specs, "study", {n: a.name for n, a in arms.items()}, cap=cap,
+                                        backend=backend, threads=threads, model=model_path),
+                          Path(out) / "partition", view.progress(f"partition study ({', '.join(arms)})", transient=True))
+    rows = study.outputs["rows"]
+    view.partition(rows, f"partition study on {backend}: arms {', '.join(arms)}, cap {cap} "
+                         f"({time.perf_counter() - t0:.0f} s)")
     model = Model(model_path, backend=backend)
     base = ContextConfig(backend=backend, n_threads=threads)
-    n_steps = len(ps) * (2 * len(arms) + 2 * (len(arms) - 1))
-    rows, results, t0 = [], [], time.perf_counter()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=console, transient=True) as prog:
-        task = prog.add_task(f"partition study ({', '.join(arms)})", total=n_steps)
-        for p in ps:
-            res = study_prompt(model, p, arms, base, cap, progress=lambda: prog.advance(task), trace=True)
-            rows += res.rows()
-            results.append(res)
-    t = Table(title=f"partition study on {backend}: arms {', '.join(arms)}, cap {cap} "
-                    f"({time.perf_counter() - t0:.0f} s)")
-    for col in rows[0] if rows else []:
-        t.add_column(col)
-    for r in rows:
-        t.add_row(*[_cell(v) for v in r.values()])
-    console.print(t)
-    console.print("first_diff: first differing output index of the natural endpoints ('=' equal); "
-                  "cross classes: B reproduces the donor, C third trajectory, D keeps the recipient.")
     report = (f"# statelab demo ({backend})\n\nmodel: {model.info.name} ({model.sha256[:16]})\n\n"
-              f"## Partition study (arms {', '.join(arms)}, cap {cap})\n\n" + markdown_table(rows))
+              f"## Partition study (arms {', '.join(arms)}, cap {cap})\n\n" + study.outputs["markdown"])
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    partition = partition_dataset(results, backend, cap) if results else None
-    if partition is not None:
-        atomic_write_netcdf(out / "partition.nc", partition)
+    partition = study.outputs["dataset"]
+    atomic_write_netcdf(out / "partition.nc", partition)
     matrix_ds = frontier_ds = None
     if matrix:
-        section, effects = selector_matrix(console, model_path, backend, arms, matrix_tasks or default_matrix_tasks(backend),
+        section, effects = selector_matrix(view, model_path, backend, arms, matrix_tasks or default_matrix_tasks(backend),
                                            matrix_cap, threads, out / "selector-matrix")
         report += "\n" + section
         matrix_ds = load_results(out / "selector-matrix" / "results.nc")
         if frontier_tasks is None:
             frontier_tasks = effects
     if frontier_tasks:
-        report += "\n" + frontier_section(model, base, frontier_tasks, frontier_cap, console,
+        report += "\n" + frontier_section(model, base, frontier_tasks, frontier_cap, view.say,
                                           results_path=out / "frontier.nc")
         frontier_ds = load_results(out / "frontier.nc")
     atomic_write_text(out / "report.md", report)

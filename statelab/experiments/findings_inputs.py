@@ -15,6 +15,7 @@ from statelab.experiments.matrix.controls import ALL, EMPTY
 from statelab.experiments.matrix.results import _lattice_masks, compile_dataset
 from statelab.experiments.matrix.store import StudyDir
 from statelab.experiments.naming import Direction
+from statelab.resources import data_dir
 from statelab.selection import load_selector, select
 
 
@@ -85,7 +86,7 @@ def masks_from_records(run: RunData, task: str) -> dict:
         raise FindingsInputError(f"{run.root}: no cell records of {task} to read its state geometry from")
     state = skeleton_state(int(run.controls[task]["n_prompt"]), int(run.spec["n_layer"]),
                            int(recs[0]["total_value_bytes"]))
-    here = Path(__file__).resolve().parents[2] / "selectors"
+    here = data_dir("selectors")
     dirs = [here] + [Path(d) for d in run.spec.get("selector_dirs", []) if Path(d).is_dir()]
     masks, sizes = {}, {}
     for s in run.spec["normalized"]["selectors"]:

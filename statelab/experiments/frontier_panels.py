@@ -74,6 +74,7 @@ from statelab.lab.formation import differing_arms
 from statelab.lab.intervene import account, natural, subset_cross
 from statelab.paths import atomic_write_text, read_json_record
 from statelab.lab.receiver import Endpoint
+from statelab.resources import spec_file
 from statelab.runtime import ContextConfig, Model, prepare_backend
 from statelab.selection import Selection, apply_subset, load_selector, select
 from statelab.experiments.specfile import SpecCommon, check_prompt_fits, spec_error
@@ -115,7 +116,7 @@ class FrontierSpec(SpecCommon):
         return {
             "format": SPEC_FORMAT, "name": self.name, "model_sha256": self.model_sha256, "backend": self.backend,
             "threads": self.threads, "n_ctx": self.n_ctx, "cap": self.cap, "repeats": self.repeats,
-            "prompts": [{"spec": s, "id": p.id, "sha256": p.sha256} for s, p in zip(self.prompt_specs, self.prompts)],
+            "prompts": [{"spec": s, "id": p.id, "sha256": p.identity} for s, p in zip(self.prompt_specs, self.prompts)],
             "arms": {n: s.as_dict() for n, s in self.arms.items()},
             "directions": self.direction_labels,
             "panels": [{"name": n, "components": list(c), "terms": [self.selectors[x].describe() for x in c]}
@@ -128,13 +129,18 @@ class FrontierSpec(SpecCommon):
         return _sha(json.dumps(self.normalized(), sort_keys=True).encode())
 
     def record(self) -> dict:
-        """What OUT/spec.json holds: the hashed normal form plus analysis settings and sources."""
+        """What OUT/spec.json holds: the hashed normal form plus analysis settings and sources;
+        for ``chat:`` prompts (their identity is not their text's hash) the rendered texts'
+        sha256, which every capture and trace of the run records (rendered here, at run time,
+        not when the spec is validated)."""
+        rendered = {p.id: p.sha256 for p in self.prompts if p.identity != p.sha256}
         return {
             "format": SPEC_FORMAT, "spec_hash": self.hash, "normalized": self.normalized(),
             "spec_path": str(self.path), "description": self.description, "model_path": self.model_path,
             "n_layer": self.n_layer, "before_frontier": self.before_frontier, "plot_window": self.plot_window,
             "selector_sources": {n: s.source for n, s in self.selectors.items()},
             "selector_dirs": list(self.selector_dirs),
+            **({"prompt_text_sha256": rendered} if rendered else {}),
         }
 
 
@@ -145,7 +151,7 @@ def _err(path, msg: str) -> FrontierRunError:
 def load_spec(path: str | os.PathLike, check_model: bool = True) -> FrontierSpec:
     """Parse and validate a frontier spec; every error is a one-line :class:`FrontierRunError`.
     With ``check_model`` the GGUF header is read (no weights) to check selector layers."""
-    path = Path(path)
+    path = spec_file(path)
     data = sf.load_toml_spec(path, "frontier spec", FrontierRunError, _TOP_KEYS, _REQUIRED)
 
     def err(msg: str) -> FrontierRunError:
@@ -296,13 +302,19 @@ def _load_npz(data: bytes, where: str) -> tuple[np.ndarray, np.ndarray]:
     return tokens, logits
 
 
+def _text_sha256(spec_record: dict, task: dict) -> str:
+    """The rendered text's sha256 of a spec.json prompt (recorded for ``chat:`` prompts; any
+    other prompt's identity is its text's sha256)."""
+    return (spec_record.get("prompt_text_sha256") or {}).get(task["id"], task["sha256"])
+
+
 def _unit_task(spec_record: dict, out: Path, task: dict, direction: str, repeat: int) -> dict:
     norm = spec_record["normalized"]
     donor, recip = Direction.parse(direction)
     cdir = out / "captures" / slug(task["id"])
     return {
         "key": f"{task['id']}|{direction}|{repeat}", "spec_hash": spec_record["spec_hash"],
-        "task": task["id"], "prompt_sha256": task["sha256"], "direction": direction, "donor": donor,
+        "task": task["id"], "prompt_sha256": _text_sha256(spec_record, task), "direction": direction, "donor": donor,
         "recipient": recip, "repeat": int(repeat), "cap": norm["cap"], "backend": norm["backend"],
         "model": spec_record["model_path"], "model_sha256": norm["model_sha256"],
         "donor_capture": str((cdir / donor).resolve()), "recipient_capture": str((cdir / recip).resolve()),
@@ -636,9 +648,9 @@ def analyse_run(out) -> Analysis:
                 if got_m != norm["model_sha256"]:
                     raise FrontierRunError(f"{where}: traces were made with model {got_m[:12]}, the run's model is "
                                            f"{norm['model_sha256'][:12]}")
-                if got_p != task["sha256"]:
+                if got_p != _text_sha256(spec, task):
                     raise FrontierRunError(f"{where}: traces were made on prompt {got_p[:12]}, {task['id']} is "
-                                           f"{task['sha256'][:12]}")
+                                           f"{_text_sha256(spec, task)[:12]}")
                 datasets.append(ds)
             del loaded
     try:

@@ -1,15 +1,53 @@
-"""The phase-mask experiment (paper 3.5, S1.2): which phase masks of a drafting arm reproduce
-R on every prompt and repeat, and the inclusion-minimal ones (a subset lattice), each request
-a block in a fresh worker process (:mod:`.spec_run`)."""
+"""The phase-mask experiment (paper 3.5, S1.2) as a kind of the engine: which phase masks of a
+drafting arm reproduce R on every prompt and repeat, and the inclusion-minimal ones (a subset
+lattice).  Each request is a block in a fresh worker process (:mod:`.spec_run`'s unit), one at
+a time; every finished block is appended to ``OUT/blocks.jsonl`` and skipped when the same
+experiment runs again in the same folder."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from statelab.experiments.spec_run import qualify_records, run_requests
+from statelab import prompts
+from statelab.errors import ConfigError
+from statelab.experiments import engine
+from statelab.experiments.engine import Kind, Summary
+from statelab.experiments.folder import RunFolder, normalized_hash
+from statelab.experiments.log import CellLog, first_ok
+from statelab.experiments.records import CAMPAIGN_BLOCK
+from statelab.experiments.spec_run import BLOCK, prompt_key, qualify_records
+from statelab.models import model_sha256, resolve_model
 from statelab.paths import atomic_write_text
-from statelab.speculative.transaction import SpecConfig, check_mask
+from statelab.speculative.transaction import Arm, SpecConfig, check_mask
+
+SPEC_FORMAT = "statelab.masks-spec/1"  # OUT/spec.json of a phase-mask folder
+
+
+@dataclass
+class MaskSpec:
+    """One phase-mask experiment: ``draft`` is the resolved drafter text
+    (:func:`.spec_run.resolve_draft`), ``prompts`` prompt specs."""
+    prompts: list[str]
+    draft: str | None
+    masks: list[int] = field(default_factory=lambda: list(range(16)))
+    repeats: int = 2
+    k: int = 3
+    ubatch: int = 4
+    cap: int = 128
+    arm: str = "C_QB"
+    backend: str = "cpu"
+    threads: int = 0
+    model: str | None = None
+
+    def validate(self) -> "MaskSpec":
+        self.masks = [check_mask(m) for m in self.masks]
+        if not self.prompts:
+            raise ConfigError("the phase-mask experiment needs at least one prompt")
+        Arm.parse(self.arm)
+        if self.repeats < 1:
+            raise ConfigError(f"--repeats must be >= 1, got {self.repeats}")
+        return self
 
 
 def mask_lattice(passing: dict[int, bool]):
@@ -28,29 +66,31 @@ def mask_lattice(passing: dict[int, bool]):
     return g, minimal
 
 
-def phase_mask_experiment(model_path, draft, prompts_: list[str], masks=range(16), repeats: int = 2, k: int = 3,
-                          ubatch: int = 4, cap: int = 128, arm: str = "C_QB", backend: str = "cpu",
-                          threads: int = 0, progress=None) -> dict:
-    """Which masks reproduce R on every prompt and repeat; inclusion-minimal ones."""
-    for m in masks:
-        check_mask(m)
+def plan(spec: MaskSpec) -> list[dict]:
+    """Per prompt: one R request, then every mask's ``repeats`` requests of the arm."""
     jobs = []
-    base = asdict(SpecConfig(k=k, ubatch=ubatch, mask=3, cap=cap, backend=backend, threads=threads))
-    for p in prompts_:
+    base = asdict(SpecConfig(k=spec.k, ubatch=spec.ubatch, mask=3, cap=spec.cap, backend=spec.backend,
+                             threads=spec.threads))
+    model = None if spec.model is None else str(spec.model)
+    for p in spec.prompts:
         jobs.append({"session": 0, "block": len(jobs), "prompt": p, "arm": "R", "repeats": 1, "cfg": base,
-                     "model": model_path, "draft": None, "mask": -1})
-        for m in masks:
-            for rep in range(repeats):
-                jobs.append({"session": rep, "block": len(jobs), "prompt": p, "arm": arm, "repeats": 1,
-                             "cfg": {**base, "mask": int(m)}, "model": model_path, "draft": draft, "mask": int(m)})
-    records = run_requests(jobs, progress)
-    for r in records:
-        r["mask"] = jobs[r["block"]]["mask"]  # block = the job's index
+                     "model": model, "draft": None, "mask": -1, "key": f"{p}:R"})
+        for m in spec.masks:
+            for rep in range(spec.repeats):
+                jobs.append({"session": rep, "block": len(jobs), "prompt": p, "arm": spec.arm, "repeats": 1,
+                             "cfg": {**base, "mask": int(m)}, "model": model, "draft": spec.draft, "mask": int(m),
+                             "key": f"{p}:mask{m}:{rep}"})
+    return jobs
+
+
+def tabulate(spec: MaskSpec, records: list[dict]) -> dict:
+    """The blocks' records (each with its ``mask``) -> qualification, per mask and prompt
+    whether every request reproduced R, the passing masks and the inclusion-minimal ones."""
     records = qualify_records(records)
     table = {}
-    for m in masks:
+    for m in spec.masks:
         rs = [r for r in records if r.get("mask") == m]
-        table[int(m)] = {p: bool(got) and all(got) for p in prompts_
+        table[int(m)] = {p: bool(got) and all(got) for p in spec.prompts
                          for got in [[r["qualified"] for r in rs if r["spec"] == p]]}
     passing = {m: all(v.values()) for m, v in table.items()}
     _g, minimal = mask_lattice(passing)
@@ -73,3 +113,53 @@ def write_masks(out, res: dict, md: str) -> None:
     atomic_write_text(out / "masks.md", md)
     atomic_write_text(out / "masks.json", json.dumps({k: v for k, v in res.items() if k != "records"}
                                                      | {"records": res["records"]}, indent=1, default=str))
+
+
+# -- the phase-mask experiment as a kind of the engine -----------------------------
+
+
+def _identity(run) -> tuple[str, dict]:
+    """What the blocks measure: the spec's fields, every prompt's id and text hash, the
+    target model's sha256 (the resolved drafter is a field)."""
+    spec = run.spec
+    fields = asdict(spec)
+    fields["prompts"] = [prompt_key(prompts.resolve(p, spec.model, spec.backend)) for p in spec.prompts]
+    fields["model"] = model_sha256(resolve_model(spec.model))
+    h = normalized_hash(fields)
+    jobs = plan(spec)
+    run.state.update(log=CellLog(run.out / "blocks.jsonl", CAMPAIGN_BLOCK, error=ConfigError), jobs=jobs)
+    return h, {"format": SPEC_FORMAT, "spec_hash": h, "normalized": fields}
+
+
+def _accept(run, res: dict) -> dict:
+    job = run.state["jobs"][res["block"]]
+    if "error" in res:
+        raise ConfigError(f"block {job['block']} ({job['arm']} on {job['prompt']}): {res['error']}")
+    entry = {"key": job["key"], "status": "ok", "spec_hash": run.spec_hash, "records": res["records"]}
+    run.state["log"].append(entry)
+    return entry
+
+
+def _compile(run) -> dict | None:
+    jobs = run.state["jobs"]
+    done = first_ok(run.state["log"].records(), run.spec_hash)
+    records = [dict(r, block=j["block"], mask=j["mask"]) for j in jobs for r in done[j["key"]]["records"]]
+    res = tabulate(run.spec, records)
+    md = mask_markdown(res, run.spec.prompts)
+    write_masks(run.out, res, md)
+    return {**res, "markdown": md, "report_path": run.out / "masks.md", "results_path": run.out / "masks.json"}
+
+
+MASKS = Kind(
+    "masks", "statelab.experiments.spec_run", ConfigError, load_spec=lambda spec: spec.validate(),
+    folder=lambda spec, out: RunFolder(Path("runs/masks") if out is None else Path(out), SPEC_FORMAT, ConfigError,
+                                       "phase-mask"),
+    identity=_identity, plan=lambda run: (run.state["jobs"], []),
+    done=lambda run: run.state["log"].done(run.spec_hash), unit=lambda run: BLOCK, accept=_accept, compile=_compile)
+
+
+def run_masks(spec: MaskSpec, out=None, progress=None) -> Summary:
+    """Run (or resume) a phase-mask experiment in ``out`` (default ``runs/masks``) through the
+    engine, one block at a time in fresh processes; ``outputs``: table, passing, minimal,
+    records, markdown (also ``masks.md`` and ``masks.json``)."""
+    return engine.run(MASKS, spec.validate(), out, "local", 1, progress=progress)

@@ -1,17 +1,37 @@
 """Partition studies: natural endpoints of several schedules, shams, whole-KV crosses,
-and partition sweeps with equivalence classes (paper 6.1, S4)."""
+and partition sweeps with equivalence classes (paper 6.1, S4).
+
+As a kind of the engine (:data:`PARTITION`, ``sweep`` and the demo's partition study) one
+unit is one prompt in a fresh process: in the ``study`` mode its natural arms, shams and
+whole-KV crosses (:func:`study_prompt`), in the ``sweep`` mode every schedule's endpoint and
+state (:func:`sweep`); each unit's record is appended to ``OUT/units.jsonl`` and skipped when
+the same spec runs again in the same folder."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
+import numpy as np
+
+from statelab import prompts as prompts_mod
 from statelab.analysis.classes import endpoint_class, first_difference, kv_profile_dataset, trajectory_classes
 from statelab.analysis.frontier import _top_two
-from statelab.errors import ConfigError
+from statelab.errors import ConfigError, StatelabError
+from statelab.experiments import engine
+from statelab.experiments.engine import Kind, Summary
+from statelab.experiments.executors import Unit
+from statelab.experiments.folder import RunFolder, normalized_hash
+from statelab.experiments.log import CellLog
+from statelab.experiments.records import PARTITION_UNIT
+from statelab.experiments.spec_run import prompt_key
 from statelab.kvstate import compare
 from statelab.lab.formation import PRESETS, Schedule, paper_sweep, parse_schedule, partition_sweep, prefill
 from statelab.lab.intervene import config_of, cross, natural, sham
-from statelab.lab.receiver import DEFAULT_CAP, continue_greedy
-from statelab.runtime import Context
+from statelab.lab.receiver import DEFAULT_CAP, check_cap, continue_greedy
+from statelab.models import model_sha256, resolve_model
+from statelab.paths import atomic_write_netcdf, atomic_write_text
+from statelab.runtime import Context, ContextConfig, Model, prepare_backend
 
 
 @dataclass
@@ -200,37 +220,203 @@ def sweep_table(results: list[dict]) -> str:
             f"and end elsewhere (must be 0). Endpoint lengths: {', '.join(map(str, caps))}.\n")
 
 
-def partition_dataset(results: list[PromptResult], backend: str, cap: int):
-    """The natural arms of a partition study as an xarray Dataset: ``margin`` and ``token``
-    (task, arm, output; NaN / -1 past an endpoint), ``first_diff`` of the first two arms
-    (task; -1 equal), and the per-layer K/V differences of their states (task, layer,
-    component): ``changed_bytes``, ``max_abs``, ``l2``, ``l2_rel``.  Needs ``trace=True``."""
-    import numpy as np
+def prompt_record(res: PromptResult) -> dict:
+    """A partition study of one prompt (:func:`study_prompt` with ``trace``) as a JSON record:
+    its rows, natural endpoints, top-1 margins, the first difference of the first two arms'
+    endpoints and the per-layer K/V differences of their states (what :func:`partition_dataset`
+    reads)."""
+    arms = list(res.natural)
+    other = arms[1] if len(arms) > 1 else arms[0]
+    rec = {"prompt": res.prompt_id, "n_prompt": res.n_prompt, "rows": res.rows(),
+           "natural": {a: ep.as_dict() for a, ep in res.natural.items()},
+           "margins": {a: [float(x) for x in m] for a, m in res.margins.items()},
+           "first_diff": first_difference(res.natural[arms[0]].tokens, res.natural[other].tokens),
+           "profile": compare(res.captures[arms[0]].state, res.captures[other].state).records()}
+    return _plain(rec)
+
+
+def _plain(x):
+    """``x`` as JSON holds it (numpy scalars as Python numbers)."""
+    return json.loads(json.dumps(x, default=lambda v: v.item() if isinstance(v, np.generic) else str(v)))
+
+
+def partition_dataset(records: list[dict], backend: str, cap: int):
+    """The natural arms of a partition study (:func:`prompt_record` records) as an xarray
+    Dataset: ``margin`` and ``token`` (task, arm, output; NaN / -1 past an endpoint),
+    ``first_diff`` of the first two arms (task; -1 equal), and the per-layer K/V differences
+    of their states (task, layer, component): ``changed_bytes``, ``max_abs``, ``l2``, ``l2_rel``."""
     import xarray as xr
 
-
-    arms = list(results[0].natural)
-    n_out = max(len(ep.tokens) for r in results for ep in r.natural.values())
-    margin = np.full((len(results), len(arms), n_out), np.nan)
-    token = np.full((len(results), len(arms), n_out), -1, np.int32)
-    first = np.full(len(results), -1, np.int64)
-    profiles = []
-    for i, r in enumerate(results):
-        if set(r.margins) != set(arms):
-            raise ValueError("partition_dataset needs study_prompt(..., trace=True) results")
+    arms = list(records[0]["natural"])
+    n_out = max(len(ep["tokens"]) for r in records for ep in r["natural"].values())
+    margin = np.full((len(records), len(arms), n_out), np.nan)
+    token = np.full((len(records), len(arms), n_out), -1, np.int32)
+    first = np.full(len(records), -1, np.int64)
+    for i, r in enumerate(records):
+        if set(r["margins"]) != set(arms):
+            raise ValueError("partition_dataset needs the margins of every arm (study_prompt(..., trace=True))")
         for j, a in enumerate(arms):
-            margin[i, j, :len(r.margins[a])] = r.margins[a]
-            token[i, j, :len(r.natural[a].tokens)] = r.natural[a].tokens
-        fd = first_difference(r.natural[arms[0]].tokens, r.natural[arms[1]].tokens) if len(arms) > 1 else None
-        first[i] = -1 if fd is None else fd
-        other = arms[1] if len(arms) > 1 else arms[0]
-        profiles.append(kv_profile_dataset(compare(r.captures[arms[0]].state, r.captures[other].state).records()))
-    tasks = [r.prompt_id for r in results]
+            margin[i, j, :len(r["margins"][a])] = r["margins"][a]
+            token[i, j, :len(r["natural"][a]["tokens"])] = r["natural"][a]["tokens"]
+        first[i] = -1 if r["first_diff"] is None else r["first_diff"]
+    tasks = [r["prompt"] for r in records]
     ds = xr.Dataset({"margin": (("task", "arm", "output"), margin, {"description": "top-1 minus top-2 logit"}),
                      "token": (("task", "arm", "output"), token),
                      "first_diff": (("task",), first, {"description": "first differing output of the first two "
                                                        "arms' natural endpoints (-1 equal)"})},
                     coords={"task": tasks, "arm": arms, "output": np.arange(n_out)})
+    profiles = [kv_profile_dataset(r["profile"]) for r in records]
     ds = ds.merge(xr.concat(profiles, dim="task").assign_coords(task=tasks))
     ds.attrs.update(backend=backend, cap=int(cap), pair=f"{arms[0]}/{arms[1] if len(arms) > 1 else arms[0]}")
     return ds
+
+
+# -- the partition study and the partition sweep as a kind of the engine -----------------
+
+SPEC_FORMAT = "statelab.partition-spec/1"  # OUT/spec.json of a partition folder
+MODES = ("study", "sweep")
+
+
+@dataclass
+class PartitionSpec:
+    """A partition study (``mode`` "study": ``arms`` name -> schedule, natural endpoints,
+    shams and, with ``crosses``, whole-KV crosses both ways between the first arm and each
+    other) or a partition sweep (``mode`` "sweep": ``schedules`` a comma list, "paper", or
+    None for A then the partition sweep of each prompt's length) over ``prompts`` (prompt
+    specs)."""
+    prompts: list[str]
+    mode: str = "study"
+    arms: dict = field(default_factory=dict)  # name -> schedule text (study)
+    schedules: str | None = None  # sweep
+    cap: int = DEFAULT_CAP
+    backend: str = "cpu"
+    threads: int = 0
+    n_ctx: int = 1024
+    model: str | None = None
+    crosses: bool = True
+
+    def validate(self) -> "PartitionSpec":
+        if self.mode not in MODES:
+            raise ConfigError(f"partition mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not self.prompts:
+            raise ConfigError("a partition run needs at least one prompt")
+        check_cap(self.cap)
+        self.config()  # backend, threads, n_ctx checked
+        self.arms = {n: parse_schedule(s).name for n, s in self.arms.items()}
+        if self.mode == "study" and not self.arms:
+            raise ConfigError("a partition study needs at least one arm")
+        if self.model is not None:
+            self.model = str(self.model)
+        return self
+
+    def config(self) -> ContextConfig:
+        return ContextConfig(backend=self.backend, n_threads=self.threads, n_ctx=self.n_ctx)
+
+
+def unit_result(task: dict) -> dict:
+    """One prompt in this (fresh) process: the model loaded, then the study or the sweep."""
+    try:
+        spec = PartitionSpec(**task["spec"])
+        prepare_backend(spec.backend)
+        model = Model(spec.model, backend=spec.backend)
+        p = prompts_mod.resolve(task["prompt"], spec.model, spec.backend)
+        if spec.mode == "sweep":
+            rec = _plain(sweep(model, p, sweep_schedules(model, p, spec.schedules), spec.config(), spec.cap))
+        else:
+            arms = {n: parse_schedule(s) for n, s in spec.arms.items()}
+            rec = prompt_record(study_prompt(model, p, arms, spec.config(), spec.cap, spec.crosses, trace=True))
+        # the result as JSON text: the log sorts its records' keys, the rows keep their column order
+        return {"key": task["key"], "status": "ok", "spec_hash": task["spec_hash"], "prompt": rec["prompt"],
+                "prompt_sha256": p.sha256, "result": json.dumps(rec)}  # the text as rendered here
+    except StatelabError as e:
+        return unit_failed(task, str(e))
+
+
+def unit_failed(task: dict, error: str) -> dict:
+    return {"key": task["key"], "status": "failed", "spec_hash": task["spec_hash"], "error": " ".join(str(error).split())}
+
+
+def _folder(spec: PartitionSpec, out) -> RunFolder:
+    if out is None:  # one folder per spec: the same command resumes, another one starts its own
+        out = Path("runs") / spec.mode / normalized_hash(asdict(spec))[:12]
+    return RunFolder(Path(out), SPEC_FORMAT, ConfigError, f"partition {spec.mode}")
+
+
+def _identity(run) -> tuple[str, dict]:
+    """What the units measure: the spec's fields, every prompt's id and text hash, the model's
+    sha256; a sweep's schedules of every prompt are made (and checked) here, before any unit."""
+    spec = run.spec
+    ps = [prompts_mod.resolve(t, spec.model, spec.backend) for t in spec.prompts]
+    if spec.mode == "sweep" and spec.schedules in (None, "paper"):  # the prompt's length decides
+        prepare_backend(spec.backend)
+        with Model(spec.model, backend=spec.backend) as m:
+            for p in ps:
+                sweep_schedules(m, p, spec.schedules)
+    elif spec.mode == "sweep":
+        sweep_schedules(None, None, spec.schedules)
+    fields = asdict(spec)
+    fields["prompts"] = [prompt_key(p) for p in ps]
+    fields["model"] = model_sha256(resolve_model(spec.model))
+    h = normalized_hash(fields)
+    tasks = [{"key": key, "prompt": t, "spec": asdict(spec), "spec_hash": h}
+             for t, key in zip(spec.prompts, fields["prompts"])]
+    if len({t["key"] for t in tasks}) < len(tasks):
+        raise ConfigError("a prompt is named twice in the partition run")
+    run.state.update(tasks=tasks, log=CellLog(run.out / "units.jsonl", PARTITION_UNIT, error=ConfigError))
+    return h, {"format": SPEC_FORMAT, "spec_hash": h, "normalized": fields}
+
+
+def _accept(run, res: dict) -> dict:
+    if res.get("status") != "ok":  # a prompt the model cannot run: the run stops in one line
+        raise ConfigError(f"{res['key']}: {res['error']}")
+    run.state["log"].append(res)
+    return res
+
+
+def _compile(run) -> dict:
+    spec = run.spec
+    done = run.state["log"].done(run.spec_hash)
+    records = [json.loads(done[t["key"]]["result"]) for t in run.state["tasks"]]
+    if spec.mode == "sweep":
+        atomic_write_text(run.out / "sweep.json", json.dumps(records, indent=2))
+        md = sweep_table(records)
+        atomic_write_text(run.out / "report.md", md)
+        return {"records": records, "markdown": md, "report_path": run.out / "report.md",
+                "results_path": run.out / "sweep.json"}
+    rows = [row for r in records for row in r["rows"]]
+    ds = partition_dataset(records, spec.backend, spec.cap)
+    atomic_write_netcdf(run.out / "partition.nc", ds)
+    md = markdown_table(rows)
+    atomic_write_text(run.out / "report.md", md)
+    return {"records": records, "rows": rows, "dataset": ds, "markdown": md, "report_path": run.out / "report.md",
+            "results_path": run.out / "partition.nc"}
+
+
+def cell_text(v) -> str:
+    """A study row's value as shown in the console table and the report ("=": no difference)."""
+    return "=" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+
+
+def markdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)\n"
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell_text(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+PARTITION = Kind(
+    "partition", "statelab.experiments.partition", ConfigError, load_spec=lambda spec: spec.validate(),
+    folder=_folder, identity=_identity, plan=lambda run: (run.state["tasks"], []),
+    done=lambda run: run.state["log"].done(run.spec_hash),
+    unit=lambda run: Unit("statelab.experiments.partition:unit_result", unit_failed,
+                          {"STATELAB_THREADS": str(run.spec.threads)} if run.spec.threads else {}),
+    accept=_accept, compile=_compile)
+
+
+def run_partition(spec: PartitionSpec, out=None, progress=None, workers: int = 1, executor: str = "local") -> Summary:
+    """Run (or resume) a partition study or sweep in ``out`` (default ``runs/<mode>/<hash>``)
+    through the engine, one prompt per fresh process; ``outputs``: the records, the report's
+    Markdown and (study) its rows and Dataset, (sweep) the classes of every prompt."""
+    return engine.run(PARTITION, spec.validate(), out, executor, workers, progress=progress)

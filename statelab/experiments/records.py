@@ -32,6 +32,8 @@ STUDY_VALUES = {"klass": ("B", "C", "D")}
 #: a campaign's blocks.jsonl (statelab.experiments.campaign)
 CAMPAIGN_BLOCK = {"ok": {"key": STR, "status": STR, "spec_hash": STR, "records": (list,)}}
 
+#: a partition folder's units.jsonl (statelab.experiments.partition), one prompt each
+PARTITION_UNIT = {"ok": {"key": STR, "status": STR, "spec_hash": STR, "prompt": STR, "result": STR}}
 
 _TARGET_KEYS = {"key": STR, "task": STR, "selector": STR, "direction": STR, "spec_hash": STR, "status": STR}
 #: the findings logs of a study folder (findings/minimal.jsonl, findings/panels.jsonl)

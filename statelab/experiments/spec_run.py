@@ -16,11 +16,12 @@ from statelab.speculative.transaction import Arm, Runner, SpecConfig, VerifyCost
 
 
 def prompt_key(prompt) -> str:
-    """How campaigns identify a prompt: its id and the first 12 hex digits of its text's sha256
-    (a Prompt, or a record with 'prompt' and 'prompt_sha256')."""
+    """How campaigns identify a prompt: its id and the first 12 hex digits of its identity (the
+    text's sha256; a ``chat:`` prompt's message and template, see :mod:`statelab.prompts`), of
+    a Prompt, or of a record with 'prompt' and 'prompt_sha256' (the rendered text's)."""
     if isinstance(prompt, dict):
         return f"{prompt['prompt']}@{prompt['prompt_sha256'][:12]}"
-    return f"{prompt.id}@{prompt.sha256[:12]}"
+    return f"{prompt.id}@{prompt.identity[:12]}"
 
 
 def resolve_draft(target_path, draft: str | None, cache_dir: Path | None = None) -> str | None:

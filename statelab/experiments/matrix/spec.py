@@ -34,6 +34,7 @@ from statelab.experiments import specfile as sf
 from statelab.experiments.folder import normalized_hash
 from statelab.experiments.naming import Direction, parse_directions, slug
 from statelab.experiments.specfile import SpecCommon, check_against_model as check, check_prompt_fits, spec_error
+from statelab.resources import spec_file
 
 FORMAT = "statelab.study/1"
 _TOP_KEYS = ("name", "description", "model", "backend", "threads", "n_ctx", "cap", "repeats", "prompts",
@@ -77,7 +78,7 @@ class StudySpec(SpecCommon):
             "n_ctx": self.n_ctx,
             "cap": self.cap,
             "repeats": self.repeats,
-            "prompts": [{"spec": s, "id": p.id, "sha256": p.sha256} for s, p in zip(self.prompt_specs, self.prompts)],
+            "prompts": [{"spec": s, "id": p.id, "sha256": p.identity} for s, p in zip(self.prompt_specs, self.prompts)],
             "arms": {name: s.as_dict() for name, s in self.arms.items()},
             "selectors": [{"name": n, "terms": s.describe()} for n, s in self.selectors.items()],
             "directions": self.direction_labels,
@@ -116,7 +117,7 @@ def _err(path, msg: str) -> StudyError:
 def load_spec(path: str | os.PathLike, check_model: bool = True) -> StudySpec:
     """Parse and validate a study spec.  With ``check_model`` the model's GGUF header is
     read (no weights loaded) to check selector layers against its layer count."""
-    path = Path(path)
+    path = spec_file(path)
     data = sf.load_toml_spec(path, "study spec", StudyError, _TOP_KEYS, _REQUIRED)
     return spec_from_data(data, path, check_model)
 
