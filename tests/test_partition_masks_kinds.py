@@ -95,3 +95,20 @@ def test_masks_resume_and_report_what_an_uninterrupted_run_reports(tmp_path):
     assert json.loads((out / "masks.json").read_text())["minimal"] == res.outputs["minimal"]
     with pytest.raises(ConfigError, match="different spec"):
         run_masks(MaskSpec(["HumanEval/2"], "self", [3], repeats=1, cap=6, threads=1), out)
+
+
+def test_the_installed_build_is_part_of_a_partition_runs_identity(monkeypatch):
+    """A sweep's default folder resumes only on the same native build: its identity holds the
+    installed build's key, read without importing llama_cpp."""
+    import subprocess
+    import sys
+
+    from statelab.runtime.native import installed_build_key
+
+    key = installed_build_key()
+    assert key != "unknown" and len(key) >= 12
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", "/elsewhere")
+    assert installed_build_key() == key + "@/elsewhere"
+    code = "import sys; from statelab.runtime.native import installed_build_key as k; k(); print('llama_cpp' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "False"

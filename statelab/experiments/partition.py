@@ -32,6 +32,7 @@ from statelab.lab.receiver import DEFAULT_CAP, check_cap, continue_greedy
 from statelab.models import model_sha256, resolve_model
 from statelab.paths import atomic_write_netcdf, atomic_write_text
 from statelab.runtime import Context, ContextConfig, Model, prepare_backend
+from statelab.runtime.native import installed_build_key
 
 
 @dataclass
@@ -357,6 +358,7 @@ def _identity(run) -> tuple[str, dict]:
     fields = asdict(spec)
     fields["prompts"] = [prompt_key(p) for p in ps]
     fields["model"] = model_sha256(resolve_model(spec.model))
+    fields["build"] = installed_build_key()  # a rebuilt library forms its states anew: not resumed from another's
     h = normalized_hash(fields)
     tasks = [{"key": key, "prompt": t, "spec": asdict(spec), "spec_hash": h}
              for t, key in zip(spec.prompts, fields["prompts"])]

@@ -209,6 +209,22 @@ def build_identity() -> dict:
     return ident
 
 
+def installed_build_key() -> str:
+    """The installed build's key (native/build.py's identity file) read without importing
+    llama_cpp or initialising a backend; with LLAMA_CPP_LIB_PATH the library's folder is added
+    (llama_cpp then loads it from there); "unknown" where there is no identity file."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    key = "unknown"
+    if spec is not None and spec.origin:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            with open(os.path.join(os.path.dirname(spec.origin), IDENTITY_FILE)) as f:
+                key = str(json.load(f).get("build_key", "unknown"))
+    override = os.environ.get("LLAMA_CPP_LIB_PATH")
+    return f"{key}@{override}" if override else key
+
+
 def preload() -> None:
     """Import llama_cpp and its ggml binding (the shared libraries load) WITHOUT initialising
     a backend: what a fork server may do before it forks (CUDA and Vulkan do not survive
