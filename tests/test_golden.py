@@ -13,14 +13,14 @@ pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.cli]
 
 
 @pytest.mark.parametrize("kind", sorted(STUDIES))
-def test_outputs_equal_the_golden_files(kind, tmp_path):
-    assert_golden(golden_output(kind, tmp_path), kind)
+def test_outputs_equal_the_golden_files(kind):
+    assert_golden(golden_output(kind), kind)
 
 
 @pytest.mark.parametrize("lanes", [1, 2])
-def test_batch_executor_gives_the_golden_study(tmp_path, lanes):
+def test_batch_executor_gives_the_golden_study(lanes):
     """The opt-in batch executor (one process per prompt, direction and repeat, one context per
     configuration cleared before each cell; with 2 lanes one process per repeat, two cells at
     once in their own contexts) gives the same records and reports as the golden per-cell
     processes, each of which decoded in a new context."""
-    assert_golden(golden_output(f"ci-batch-{lanes}", tmp_path), "ci", f" under --executor batch --lanes {lanes}")
+    assert_golden(golden_output(f"ci-batch-{lanes}"), "ci", f" under --executor batch --lanes {lanes}")
