@@ -221,10 +221,14 @@ def is_controller(config) -> bool:
 def pytest_configure(config):
     if not is_controller(config):  # the controller runs no test and loads no model
         _count_model_loads()
+
+
+def pytest_sessionstart(session):
+    config = session.config
     if is_worker(config):
         return
-    # the session's golden runs live in one folder that this process (serial, or the controller)
-    # chooses and its workers inherit through the environment
+    # the session's golden runs live in one folder that this process (serial, or the controller,
+    # before it starts its workers) chooses and its workers inherit through the environment
     root = Path(tempfile.mkdtemp(prefix="statelab-golden-"))
     _golden_state["root"] = root
     os.environ[GOLDEN_ROOT_ENV] = str(root)
