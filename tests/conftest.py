@@ -263,6 +263,7 @@ BACKGROUND_GOLDEN = (("spec-cpu",), ("ci", "frontier-ci", "ci-batch-1", "ci-batc
 GOLDEN_ROOT_ENV = "STATELAB_TEST_GOLDEN_ROOT"  # set by the session's first process for its workers
 _golden_lock = threading.Lock()
 _golden_procs: dict = {}  # name -> the process this process started for it
+_golden_threads: list = []  # this process's chains
 _golden_state = {"root": None, "stopping": False, "chains": False}
 
 
@@ -374,7 +375,9 @@ def _start_golden_chains(wanted: set) -> None:
         return
     os.environ.setdefault("STATELAB_THREADS", "1")
     for chain in chains:
-        threading.Thread(target=_golden_chain, args=(chain,), name="golden-runs", daemon=True).start()
+        t = threading.Thread(target=_golden_chain, args=(chain,), name="golden-runs", daemon=True)
+        _golden_threads.append(t)
+        t.start()
 
 
 def pytest_collection_finish(session):
@@ -432,6 +435,13 @@ def pytest_sessionfinish(session):
         started = list(_golden_procs.values())
     for proc in started:
         stop(proc)
+    for t in _golden_threads:  # a stopped chain writes its run's return code, then ends
+        t.join(timeout=10)
     _golden_procs.clear()
-    if not is_worker(session.config) and _golden_state["root"] is not None:
-        shutil.rmtree(_golden_state["root"], ignore_errors=True)
+    root = _golden_state["root"]
+    if not is_worker(session.config) and root is not None:
+        for _ in range(40):  # interrupted, a worker may still be writing a return code
+            shutil.rmtree(root, ignore_errors=True)
+            if not root.exists():
+                break
+            time.sleep(0.25)
