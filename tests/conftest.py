@@ -12,7 +12,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -160,18 +162,10 @@ def _require_mark(name: str, what: str) -> None:
         pytest.fail(f"{_current[-1].nodeid} {what}: mark it @pytest.mark.{name}", pytrace=False)
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        for fixture in getattr(item, "fixturenames", ()):
-            for mark in FIXTURE_MARKS.get(fixture, ()):
-                if item.get_closest_marker(mark) is None:
-                    item.add_marker(mark)
-
-
 _model_loads = [0]
 
 
-def pytest_configure(config):
+def _count_model_loads():
     """Count model loads (statelab.runtime.Model), so that a test that loads a model without
     the ``model`` mark fails: ``-m "not model"`` stays the tier without a model."""
     try:
@@ -200,15 +194,64 @@ def pytest_runtest_call(item):
     return res
 
 
+# ------------------------------------------------------------------ parallel workers (pytest-xdist)
+
+# pyproject.toml's addopts run the suite on pytest-xdist workers (--numprocesses, --dist); without
+# the plugin (``-p no:xdist``, or not installed) those options are accepted and ignored and the
+# tests run serially in this process, like ``-n 0``.
+def pytest_addoption(parser, pluginmanager):
+    if not pluginmanager.has_plugin("xdist"):
+        group = parser.getgroup("xdist", "pytest-xdist is not loaded: these options are ignored")
+        group.addoption("--numprocesses", dest="numprocesses", default=0, help="ignored")
+        group.addoption("--maxprocesses", dest="maxprocesses", default=None, help="ignored")
+        group.addoption("--dist", dest="dist", default="no", help="ignored")
+
+
+def is_worker(config) -> bool:
+    """This process is a pytest-xdist worker (it runs tests the controller sends)."""
+    return hasattr(config, "workerinput")
+
+
+def is_controller(config) -> bool:
+    """This process is the pytest-xdist controller (it runs no test; workers do)."""
+    return not is_worker(config) and getattr(config.option, "dist", "no") != "no" and bool(
+        getattr(config.option, "tx", None))
+
+
+def pytest_configure(config):
+    if not is_controller(config):  # the controller runs no test and loads no model
+        _count_model_loads()
+
+
+def pytest_sessionstart(session):
+    config = session.config
+    if is_worker(config):
+        return
+    # the session's golden runs live in one folder that this process (serial, or the controller,
+    # before it starts its workers) chooses and its workers inherit through the environment
+    root = Path(tempfile.mkdtemp(prefix="statelab-golden-"))
+    _golden_state["root"] = root
+    os.environ[GOLDEN_ROOT_ENV] = str(root)
+    if is_controller(config):
+        # one llama.cpp thread per worker: the workers and the golden runs share the cores, and
+        # ggml's threads spin-wait on a busy core (the workers inherit the environment)
+        os.environ.setdefault("STATELAB_THREADS", "1")
+
+
 # ------------------------------------------------------------------ golden runs started early
 
-# The golden runs (tests/test_golden.py) take minutes together, and most tests in process use one
-# core: when their tests are selected they start with the session, beside the other tests, in
-# two chains of one run at a time (the speculative campaign, whose timed blocks run one at a
-# time on one thread; the CI study, the frontier CI panels and the CI study on the batch
-# executor), and each test compares what its run wrote (golden_output); a run its test asks
-# for before the chain reached it runs then, in the test.  While they run, the tests' contexts
-# default to one thread (STATELAB_THREADS; ggml's threads spin-wait on a busy core).
+# The golden runs (tests/test_golden.py) take minutes together, and most tests use one core:
+# when their tests are selected they start with the session, beside the other tests, in two
+# chains of one run at a time (the speculative campaign, whose timed blocks run one at a time on
+# one thread; the CI study, the frontier CI panels and the CI study on the batch executor), and
+# each test compares what its run wrote (golden_output).  Each run happens once per session,
+# whichever process asks first: the chains run in the process that runs no test under
+# pytest-xdist (the controller; serially, this process), and a test that asks for a run the chain
+# has not reached runs it itself.  A run is claimed by creating ``ROOT/NAME/claim`` (O_EXCL);
+# whoever claimed it writes ``ROOT/NAME/rc`` when it ends, and the others wait for that file.
+# While they run, the tests' contexts default to one thread (STATELAB_THREADS; ggml's threads
+# spin-wait on a busy core).  The golden tests run last (pytest_collection_modifyitems), when
+# their runs are done or nearly.
 GOLDEN_RUNS = {  # name -> (kind of tests/golden_outputs.py, more command-line options)
     "ci": ("ci", ()),
     "frontier-ci": ("frontier-ci", ()),
@@ -217,9 +260,11 @@ GOLDEN_RUNS = {  # name -> (kind of tests/golden_outputs.py, more command-line o
     "ci-batch-2": ("ci", ("--executor", "batch", "--lanes", "2")),
 }
 BACKGROUND_GOLDEN = (("spec-cpu",), ("ci", "frontier-ci", "ci-batch-1", "ci-batch-2"))
+GOLDEN_ROOT_ENV = "STATELAB_TEST_GOLDEN_ROOT"  # set by the session's first process for its workers
 _golden_lock = threading.Lock()
-_golden_started: dict = {}  # name -> (process, output folder), or None: its test runs it
-_golden_state = {"root": None, "stopping": False}
+_golden_procs: dict = {}  # name -> the process this process started for it
+_golden_threads: list = []  # this process's chains
+_golden_state = {"root": None, "stopping": False, "chains": False}
 
 
 def golden_run_name(item) -> str | None:
@@ -232,64 +277,171 @@ def golden_run_name(item) -> str | None:
     return f"ci-batch-{params['lanes']}" if "lanes" in params else None
 
 
-def pytest_collection_finish(session):
-    import tempfile
+def _golden_name_of_nodeid(nodeid: str) -> str | None:
+    """:func:`golden_run_name` from a test id (the controller has ids, not items)."""
+    if "test_golden.py::" not in nodeid or not nodeid.endswith("]"):
+        return None
+    param = nodeid[nodeid.rindex("[") + 1:-1]
+    return param if param in GOLDEN_RUNS else (f"ci-batch-{param}" if f"ci-batch-{param}" in GOLDEN_RUNS else None)
 
-    if session.config.option.collectonly:
-        return
-    wanted = {golden_run_name(item) for item in session.items}
+
+def _golden_root() -> Path:
+    if _golden_state["root"] is None:  # a worker: the folder its controller chose
+        _golden_state["root"] = Path(os.environ[GOLDEN_ROOT_ENV])
+    return _golden_state["root"]
+
+
+def _golden_claim(name: str) -> bool:
+    """Claim the run ``name`` for this process: True for the one process that gets it."""
+    folder = _golden_root() / name
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(folder / "claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return True
+
+
+def _golden_run_claimed(name: str) -> None:
+    """Run ``name`` (claimed by this process) and write its return code, also when interrupted
+    (-9: stopped) so that no other process waits for it forever."""
+    from golden_outputs import start, stop
+
+    kind, extra = GOLDEN_RUNS[name]
+    folder = _golden_root() / name
+    rc = -9
+    try:
+        with _golden_lock:
+            if _golden_state["stopping"]:
+                return
+            try:
+                proc = _golden_procs[name] = start(kind, folder / kind, extra=extra)
+            except OSError as e:
+                (folder / f"{kind}.stderr").write_text(f"could not start the run: {e}")
+                rc = 127
+                return
+        try:
+            rc = proc.wait()
+        finally:
+            stop(proc)  # interrupted (Ctrl-C): its process group too
+    finally:
+        tmp = folder / f"rc.{os.getpid()}.tmp"
+        with contextlib.suppress(OSError):  # the session may have removed the folder (stopping)
+            tmp.write_text(str(rc))
+            os.replace(tmp, folder / "rc")
+
+
+def _golden_wait(name: str, chain: bool = False) -> None:
+    """Wait for the run ``name`` that another process (or this one's chain) claimed (``chain``:
+    a chain waits only until the session stops)."""
+    folder = _golden_root() / name
+    while not (folder / "rc").exists():
+        if chain and _golden_state["stopping"]:
+            return
+        try:
+            owner = int((folder / "claim").read_text() or 0)
+        except (OSError, ValueError):
+            owner = 0
+        if owner and owner != os.getpid():
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                if not (folder / "rc").exists():
+                    raise RuntimeError(f"golden run {name}: the process that ran it ({owner}) ended without a result")
+        time.sleep(0.5)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for fixture in getattr(item, "fixturenames", ()):
+            for mark in FIXTURE_MARKS.get(fixture, ()):
+                if item.get_closest_marker(mark) is None:
+                    item.add_marker(mark)
+    # the golden tests last: their runs started with the session (stable: the same order in
+    # every worker)
+    items.sort(key=lambda item: golden_run_name(item) is not None)
+
+
+def _start_golden_chains(wanted: set) -> None:
+    with _golden_lock:
+        if _golden_state["chains"] or _golden_state["stopping"]:
+            return
+        _golden_state["chains"] = True
     chains = [[n for n in chain if n in wanted] for chain in BACKGROUND_GOLDEN]
     chains = [c for c in chains if c]
     if not chains:
         return
     os.environ.setdefault("STATELAB_THREADS", "1")
-    _golden_state["root"] = Path(tempfile.mkdtemp(prefix="statelab-golden-"))
     for chain in chains:
-        threading.Thread(target=_golden_chain, args=(chain,), name="golden-runs", daemon=True).start()
+        t = threading.Thread(target=_golden_chain, args=(chain,), name="golden-runs", daemon=True)
+        _golden_threads.append(t)
+        t.start()
+
+
+def pytest_collection_finish(session):
+    config = session.config
+    if config.option.collectonly or is_worker(config) or is_controller(config):
+        return
+    _start_golden_chains({golden_run_name(item) for item in session.items})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """The controller: the first worker's collection says which golden runs the session needs."""
+    _start_golden_chains({_golden_name_of_nodeid(i) for i in ids})
 
 
 def _golden_chain(names: list[str]) -> None:
-    from golden_outputs import start
-
     for name in names:
-        with _golden_lock:
-            if _golden_state["stopping"] or name in _golden_started:
-                continue
-            kind, extra = GOLDEN_RUNS[name]
-            out = _golden_state["root"] / name / kind
-            try:
-                _golden_started[name] = (start(kind, out, extra=extra), out)
-            except OSError:
-                continue  # its test runs it (and reports what fails)
-            proc = _golden_started[name][0]
-        proc.wait()
+        if _golden_state["stopping"]:
+            return
+        if _golden_claim(name):
+            _golden_run_claimed(name)
+        else:  # a test runs it: one run at a time in this chain
+            _golden_wait(name, chain=True)
 
 
-def golden_output(name: str, tmp_path: Path) -> Path:
-    """The output folder of the golden run ``name`` (GOLDEN_RUNS): the one started with the
-    session, or, where none was, a run now into ``tmp_path``."""
-    from golden_outputs import finish, run
+def golden_output(name: str) -> Path:
+    """The output folder of the golden run ``name`` (GOLDEN_RUNS), run once in the session:
+    by the chain that started with it, by another worker's test, or now by this test."""
+    from golden_outputs import STUDIES
 
-    with _golden_lock:
-        started = _golden_started.get(name)
-        if started is None:
-            _golden_started[name] = None  # the background chain leaves it to this test
-    if started is not None:
-        return finish(*started)
-    kind, extra = GOLDEN_RUNS[name]
-    return run(kind, tmp_path / kind, extra=extra)
+    if _golden_claim(name):
+        _golden_run_claimed(name)
+    else:
+        _golden_wait(name)
+    kind = GOLDEN_RUNS[name][0]
+    folder = _golden_root() / name
+    rc = int((folder / "rc").read_text())
+    if rc != 0:
+        err = (folder / f"{kind}.stderr").read_text() if (folder / f"{kind}.stderr").exists() else ""
+        raise RuntimeError(f"{' '.join(STUDIES[kind][:2])} {STUDIES[kind][2]} ({name}) exited {rc}: "
+                           f"{err.strip()[-2000:]}")
+    return folder / kind
 
 
 def pytest_sessionfinish(session):
+    """Stop the runs this process started (none left running unless the session was
+    interrupted: a worker's runs ended in its tests, the controller's chains after every worker
+    ended) and remove the session's folder (the process that chose it)."""
     import shutil
 
     from golden_outputs import stop
 
     with _golden_lock:
         _golden_state["stopping"] = True
-        started = [s for s in _golden_started.values() if s is not None]
-    for proc, _ in started:
+        started = list(_golden_procs.values())
+    for proc in started:
         stop(proc)
-    if _golden_state["root"] is not None:
-        shutil.rmtree(_golden_state["root"], ignore_errors=True)
-    _golden_started.clear()
+    for t in _golden_threads:  # a stopped chain writes its run's return code, then ends
+        t.join(timeout=10)
+    _golden_procs.clear()
+    root = _golden_state["root"]
+    if not is_worker(session.config) and root is not None:
+        for _ in range(40):  # interrupted, a worker may still be writing a return code
+            shutil.rmtree(root, ignore_errors=True)
+            if not root.exists():
+                break
+            time.sleep(0.25)

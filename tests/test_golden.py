@@ -3,7 +3,8 @@ give the same records and reports (timings, paths, pids and hosts aside) as the 
 files in tests/golden/, made by ``tests/golden_outputs.py`` from the code before the fork
 server and the experiment engine (commit 040dab2).  Run time in the whole suite on the shared
 2-core machine: ci 36 s, frontier-ci 37 s, spec-cpu 260 s (42 timed blocks run one at a time, on
-one core); the runs start with the session and run beside the other tests (conftest.py)."""
+one core); the runs start with the session and run beside the other tests, once per session
+also on several pytest-xdist workers (conftest.py)."""
 import pytest
 
 from conftest import golden_output
@@ -13,14 +14,14 @@ pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.cli]
 
 
 @pytest.mark.parametrize("kind", sorted(STUDIES))
-def test_outputs_equal_the_golden_files(kind, tmp_path):
-    assert_golden(golden_output(kind, tmp_path), kind)
+def test_outputs_equal_the_golden_files(kind):
+    assert_golden(golden_output(kind), kind)
 
 
 @pytest.mark.parametrize("lanes", [1, 2])
-def test_batch_executor_gives_the_golden_study(tmp_path, lanes):
+def test_batch_executor_gives_the_golden_study(lanes):
     """The opt-in batch executor (one process per prompt, direction and repeat, one context per
     configuration cleared before each cell; with 2 lanes one process per repeat, two cells at
     once in their own contexts) gives the same records and reports as the golden per-cell
     processes, each of which decoded in a new context."""
-    assert_golden(golden_output(f"ci-batch-{lanes}", tmp_path), "ci", f" under --executor batch --lanes {lanes}")
+    assert_golden(golden_output(f"ci-batch-{lanes}"), "ci", f" under --executor batch --lanes {lanes}")

@@ -15,6 +15,7 @@ geometry, KV type and backend.
 """
 from __future__ import annotations
 
+import glob
 import io
 import json
 import os
@@ -93,9 +94,9 @@ def _write_files_locked(dest: Path, files: dict[str, bytes], manifest: dict, ove
         if not overwrite:
             raise _exists(dest)
         _check_replaceable(dest, manifest["format"])
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(dest), dir=dest.parent))
     old = None
     try:
+        tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(dest), dir=dest.parent))
         manifest = dict(manifest, files={name: _sha(data) for name, data in files.items()})
         manifest["seal"] = manifest_seal(manifest)
         payload = {**files, "manifest.json": json.dumps(manifest, indent=2, sort_keys=True).encode()}
@@ -113,7 +114,11 @@ def _write_files_locked(dest: Path, files: dict[str, bytes], manifest: dict, ove
         except FileExistsError:
             raise _exists(dest) from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        # this process's temporary folders for dest (the output lock makes them this call's): also
+        # one that a Ctrl-C left between mkdtemp's mkdir and its return
+        for t in dest.parent.glob(glob.escape(temp_prefix(dest)) + "*"):
+            if t.name != temp_prefix(dest) + REPLACED:
+                shutil.rmtree(t, ignore_errors=True)
         if old is not None and not dest.exists():
             os.replace(old, dest)
         raise
