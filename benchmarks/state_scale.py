@@ -122,6 +122,7 @@ def main(argv=None) -> int:
     from statelab.lab.formation import form, parse_schedule
     from statelab.lab.interop import export_state_file, import_state_file
     from statelab.lab.intervene import config_of, cross
+    from statelab.paths import atomic_write_text
     from statelab.runtime import Context, ContextConfig, Model
 
     peak = Peak()
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
     if not peak.resettable:
         print("\n(peaks are the process's whole-run peak: /proc/self/clear_refs was not writable)")
     if a.json:
-        a.json.write_text(json.dumps({"model": str(a.model), "backend": a.backend, "tokens": n, "state_bytes": size,
+        atomic_write_text(a.json, json.dumps({"model": str(a.model), "backend": a.backend, "tokens": n, "state_bytes": size,
                                       "state_file_bytes": file_size, "steps": rows,
                                       "peak_resettable": peak.resettable}, indent=1))
     return 0

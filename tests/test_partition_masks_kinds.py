@@ -112,3 +112,12 @@ def test_the_installed_build_is_part_of_a_partition_runs_identity(monkeypatch):
     code = "import sys; from statelab.runtime.native import installed_build_key as k; k(); print('llama_cpp' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "False"
+
+
+def test_an_empty_schedule_list_is_the_default_sweep():
+    """`sweep --schedules ""` is the default sweep (it reached the schedule maker without a model)."""
+    from statelab.experiments.partition import PartitionSpec
+
+    for text in ("", "  "):
+        assert PartitionSpec(["HumanEval/2"], "sweep", schedules=text).validate().schedules is None
+    assert PartitionSpec(["HumanEval/2"], "sweep", schedules="A,R").validate().schedules == "A,R"

@@ -71,7 +71,7 @@ class Geometry:
     @property
     def name(self) -> str:
         s = self.schedule.name
-        return s if self.layout is Layout.MQ else f"{s}:{self.layout}"
+        return s if self.layout == Layout.MQ else f"{s}:{self.layout}"
 
     def describe(self) -> str:
         return f"{self.schedule.describe()} layout={self.layout}"

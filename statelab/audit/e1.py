@@ -189,7 +189,7 @@ def extract_attention(run, layer: int, micro_batch: tuple[int, int] | None = Non
         consumed[f"av{tag}.src0"] = _desc(c.srcs[0])
     try:
         mask_applied = applied_mask(att, sm)
-    except (ValueError, IndexError, TypeError):  # a mask view the capture did not keep whole
+    except (ValueError, IndexError, TypeError, AttributeError):  # a mask view the capture did not keep whole
         mask_applied = None
     h_q, h_kv = int(qn.ne[2]), int(kn.ne[2])
     if h_kv == 0 or h_q % h_kv:

@@ -102,7 +102,8 @@ def spec_masks(tasks: str = typer.Option("HumanEval/0,HumanEval/2,HumanEval/4,Hu
                repeats: int = typer.Option(2), k: int = typer.Option(3), ubatch: int = typer.Option(4),
                cap: int = CapOpt, arm: str = typer.Option("C_QB"), masks: str = typer.Option("0-15"),
                model: Optional[Path] = ModelOpt, draft: str = DraftOpt, backend: str = BackendOpt,
-               threads: int = ThreadsOpt, out: Path = typer.Option(Path("runs/masks"), "--out")):
+               threads: int = ThreadsOpt, out: Optional[Path] = typer.Option(
+                   None, "--out", help="run folder (resumable; default runs/masks/<spec hash>)")):
     """Phase-mask experiment: which masks reproduce R; the inclusion-minimal ones."""
     from statelab.experiments.masks import MaskSpec, run_masks
     from statelab.experiments.progress import RichReporter

@@ -19,6 +19,7 @@ from statelab.experiments.records import CAMPAIGN_BLOCK
 from statelab.experiments.spec_run import BLOCK, prompt_key, qualify_records
 from statelab.models import model_sha256, resolve_model
 from statelab.paths import atomic_write_text
+from statelab.runtime.native import installed_build_key
 from statelab.speculative.transaction import Arm, SpecConfig, check_mask
 
 SPEC_FORMAT = "statelab.masks-spec/1"  # OUT/spec.json of a phase-mask folder
@@ -118,13 +119,20 @@ def write_masks(out, res: dict, md: str) -> None:
 # -- the phase-mask experiment as a kind of the engine -----------------------------
 
 
-def _identity(run) -> tuple[str, dict]:
+def identity_fields(spec) -> dict:
     """What the blocks measure: the spec's fields, every prompt's id and text hash, the
-    target model's sha256 (the resolved drafter is a field)."""
-    spec = run.spec
+    target model's sha256 and the installed build's key (the resolved drafter is a field):
+    R's blocks and the arms' blocks of one run come from one build."""
     fields = asdict(spec)
     fields["prompts"] = [prompt_key(prompts.resolve(p, spec.model, spec.backend)) for p in spec.prompts]
     fields["model"] = model_sha256(resolve_model(spec.model))
+    fields["build"] = installed_build_key()
+    return fields
+
+
+def _identity(run) -> tuple[str, dict]:
+    spec = run.spec
+    fields = identity_fields(spec)
     h = normalized_hash(fields)
     jobs = plan(spec)
     run.state.update(log=CellLog(run.out / "blocks.jsonl", CAMPAIGN_BLOCK, error=ConfigError), jobs=jobs)
@@ -152,14 +160,15 @@ def _compile(run) -> dict | None:
 
 MASKS = Kind(
     "masks", "statelab.experiments.spec_run", ConfigError, load_spec=lambda spec: spec.validate(),
-    folder=lambda spec, out: RunFolder(Path("runs/masks") if out is None else Path(out), SPEC_FORMAT, ConfigError,
-                                       "phase-mask"),
+    folder=lambda spec, out: RunFolder(  # default: one folder per identity, as a partition run's
+        Path("runs/masks") / normalized_hash(identity_fields(spec))[:12] if out is None else Path(out), SPEC_FORMAT,
+        ConfigError, "phase-mask"),
     identity=_identity, plan=lambda run: (run.state["jobs"], []),
     done=lambda run: run.state["log"].done(run.spec_hash), unit=lambda run: BLOCK, accept=_accept, compile=_compile)
 
 
 def run_masks(spec: MaskSpec, out=None, progress=None) -> Summary:
-    """Run (or resume) a phase-mask experiment in ``out`` (default ``runs/masks``) through the
+    """Run (or resume) a phase-mask experiment in ``out`` (default ``runs/masks/<spec hash>``) through the
     engine, one block at a time in fresh processes; ``outputs``: table, passing, minimal,
     records, markdown (also ``masks.md`` and ``masks.json``)."""
     return engine.run(MASKS, spec.validate(), out, "local", 1, progress=progress)

@@ -308,6 +308,8 @@ class PartitionSpec:
             raise ConfigError("a partition study needs at least one arm")
         if self.model is not None:
             self.model = str(self.model)
+        if self.schedules is not None and not str(self.schedules).strip():
+            self.schedules = None  # an empty list of schedules is the default sweep
         return self
 
     def config(self) -> ContextConfig:
@@ -319,13 +321,13 @@ def unit_result(task: dict) -> dict:
     try:
         spec = PartitionSpec(**task["spec"])
         prepare_backend(spec.backend)
-        model = Model(spec.model, backend=spec.backend)
-        p = prompts_mod.resolve(task["prompt"], spec.model, spec.backend)
-        if spec.mode == "sweep":
-            rec = _plain(sweep(model, p, sweep_schedules(model, p, spec.schedules), spec.config(), spec.cap))
-        else:
-            arms = {n: parse_schedule(s) for n, s in spec.arms.items()}
-            rec = prompt_record(study_prompt(model, p, arms, spec.config(), spec.cap, spec.crosses, trace=True))
+        with Model(spec.model, backend=spec.backend) as model:
+            p = prompts_mod.resolve(task["prompt"], spec.model, spec.backend)
+            if spec.mode == "sweep":
+                rec = _plain(sweep(model, p, sweep_schedules(model, p, spec.schedules), spec.config(), spec.cap))
+            else:
+                arms = {n: parse_schedule(s) for n, s in spec.arms.items()}
+                rec = prompt_record(study_prompt(model, p, arms, spec.config(), spec.cap, spec.crosses, trace=True))
         # the result as JSON text: the log sorts its records' keys, the rows keep their column order
         return {"key": task["key"], "status": "ok", "spec_hash": task["spec_hash"], "prompt": rec["prompt"],
                 "prompt_sha256": p.sha256, "result": json.dumps(rec)}  # the text as rendered here
@@ -337,9 +339,19 @@ def unit_failed(task: dict, error: str) -> dict:
     return {"key": task["key"], "status": "failed", "spec_hash": task["spec_hash"], "error": " ".join(str(error).split())}
 
 
+def identity_fields(spec: PartitionSpec) -> dict:
+    """What a partition run's units measure: the spec's fields, every prompt's identity, the
+    model's sha256 and the installed build's key (cheap: no model is loaded)."""
+    fields = asdict(spec)
+    fields["prompts"] = [prompt_key(prompts_mod.resolve(t, spec.model, spec.backend)) for t in spec.prompts]
+    fields["model"] = model_sha256(resolve_model(spec.model))
+    fields["build"] = installed_build_key()  # a rebuilt library forms its states anew: not resumed from another's
+    return fields
+
+
 def _folder(spec: PartitionSpec, out) -> RunFolder:
-    if out is None:  # one folder per spec: the same command resumes, another one starts its own
-        out = Path("runs") / spec.mode / normalized_hash(asdict(spec))[:12]
+    if out is None:  # one folder per identity: the same command resumes, a changed build, model or prompt starts anew
+        out = Path("runs") / spec.mode / normalized_hash(identity_fields(spec))[:12]
     return RunFolder(Path(out), SPEC_FORMAT, ConfigError, f"partition {spec.mode}")
 
 
@@ -355,10 +367,7 @@ def _identity(run) -> tuple[str, dict]:
                 sweep_schedules(m, p, spec.schedules)
     elif spec.mode == "sweep":
         sweep_schedules(None, None, spec.schedules)
-    fields = asdict(spec)
-    fields["prompts"] = [prompt_key(p) for p in ps]
-    fields["model"] = model_sha256(resolve_model(spec.model))
-    fields["build"] = installed_build_key()  # a rebuilt library forms its states anew: not resumed from another's
+    fields = identity_fields(spec)
     h = normalized_hash(fields)
     tasks = [{"key": key, "prompt": t, "spec": asdict(spec), "spec_hash": h}
              for t, key in zip(spec.prompts, fields["prompts"])]

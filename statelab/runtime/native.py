@@ -190,13 +190,17 @@ def devices_for_backend(backend: str) -> list[Device]:
     return found
 
 
+def _identity_file(package_dir: str) -> dict:
+    with open(os.path.join(package_dir, IDENTITY_FILE)) as f:
+        return json.load(f)
+
+
 def build_identity() -> dict:
     """The identity native/build.py wrote into the installed llama_cpp package."""
     mod = llama()
     path = os.path.join(os.path.dirname(mod.__file__), IDENTITY_FILE)
     try:
-        with open(path) as f:
-            ident = json.load(f)
+        ident = _identity_file(os.path.dirname(mod.__file__))
     except OSError:
         raise NativeBuildError(f"llama_cpp is installed but has no statelab build identity ({path}); "
                                f"it was not built by native/build.py; {INSTALL_HINT}") from None
@@ -219,8 +223,7 @@ def installed_build_key() -> str:
     key = "unknown"
     if spec is not None and spec.origin:
         with contextlib.suppress(OSError, ValueError, AttributeError):
-            with open(os.path.join(os.path.dirname(spec.origin), IDENTITY_FILE)) as f:
-                key = str(json.load(f).get("build_key", "unknown"))
+            key = str(_identity_file(os.path.dirname(spec.origin)).get("build_key", "unknown"))
     override = os.environ.get("LLAMA_CPP_LIB_PATH")
     return f"{key}@{override}" if override else key
 
