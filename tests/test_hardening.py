@@ -399,6 +399,18 @@ def _mapped(pid: int, path: str) -> bool:
         return False
 
 
+def _unit_mapped(pid: int, path: str) -> bool:
+    """Whether a process below ``pid`` (the sweep's unit: the engine runs each prompt in a fresh
+    process) has the model mapped; the command itself maps it only briefly, to make the schedules."""
+    import psutil
+
+    try:
+        below = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return False
+    return any(_mapped(p.pid, path) for p in below)
+
+
 @pytest.mark.cli
 @pytest.mark.model
 def test_ctrl_c_exits_130_with_one_line(tmp_path):
@@ -409,7 +421,7 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     model_file = str(Path(default_model_path()).resolve())
     deadline = time.monotonic() + 60
-    while not _mapped(proc.pid, model_file) and proc.poll() is None and time.monotonic() < deadline:
+    while not _unit_mapped(proc.pid, model_file) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(1.0)  # sweeping by now
     proc.send_signal(signal.SIGINT)
