@@ -82,11 +82,6 @@ def load(path):  # as the commands that only read a capture load it (diff, cross
     except TypeError:  # a tree without mapped loading
         return load_capture(path)
 
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-
 def write_state(st, path):
     with open(path, "wb") as f:
         w = getattr(st, "write_to", None)
@@ -156,12 +151,9 @@ MEASURE = """
 op = sys.argv[2]
 import gc
 gc.collect()
-try:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident size
-    how = "VmHWM"
-except OSError:
-    how = "ru_maxrss"
+peak_rss = Peak()
+peak_rss.reset()
+how = peak_rss.how
 before = status("VmRSS:")
 tracemalloc.start()
 t0 = time.perf_counter()
@@ -169,7 +161,7 @@ exec(compile(CODE, op, "exec"))
 dt = time.perf_counter() - t0
 py_peak = tracemalloc.get_traced_memory()[1]
 tracemalloc.stop()
-peak = status("VmHWM:") if how == "VmHWM" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = peak_rss.read()
 print("RESULT " + json.dumps({"op": op, "s": dt, "rss": peak - before, "py": py_peak, "how": how,
                               "out": out}, default=str))
 """
@@ -204,7 +196,8 @@ def make_captures(d: Path, shape_name: str, n_cells: int, seed: int) -> int:
 
 
 def run_op(d: Path, op: str, pythonpath: str) -> dict:
-    code = PRE + f"CODE = {OP_CODE[op]!r}\n" + MEASURE
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\nfrom _rss import Peak, status\n"
+            + PRE + f"CODE = {OP_CODE[op]!r}\n" + MEASURE)
     env = {**os.environ, "PYTHONPATH": pythonpath}
     r = subprocess.run([sys.executable, "-c", code, str(d), op], capture_output=True, text=True, env=env,
                        cwd=pythonpath)  # `python -c` puts the working folder first on sys.path

@@ -32,21 +32,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    return 0
+from _rss import Peak, status  # noqa: E402  (benchmarks/: the script's own folder)
 
 
 class Sampler:
@@ -63,8 +55,8 @@ class Sampler:
 
     def _run(self):
         while not self._stop.is_set():
-            self.anon = max(self.anon, _status("RssAnon:"))
-            self.file = max(self.file, _status("RssFile:"))
+            self.anon = max(self.anon, status("RssAnon:"))
+            self.file = max(self.file, status("RssFile:"))
             self._stop.wait(0.002)
 
     def __enter__(self):
@@ -74,23 +66,6 @@ class Sampler:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-
-
-class Peak:
-    """The resident set's peak over a block (VmHWM reset before it where the kernel allows)."""
-
-    def __init__(self):
-        self.resettable = True
-
-    def reset(self) -> None:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            self.resettable = False
-
-    def read(self) -> int:
-        return _status("VmHWM:") if self.resettable else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def long_prompt(model, n_tokens: int):
@@ -130,7 +105,7 @@ def main(argv=None) -> int:
 
     def step(name, fn):
         peak.reset()
-        before, anon0, file0 = _status("VmRSS:"), _status("RssAnon:"), _status("RssFile:")
+        before, anon0, file0 = status("VmRSS:"), status("RssAnon:"), status("RssFile:")
         with Sampler() as s:
             t0 = time.perf_counter()
             out = fn()

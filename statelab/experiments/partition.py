@@ -339,11 +339,13 @@ def unit_failed(task: dict, error: str) -> dict:
     return {"key": task["key"], "status": "failed", "spec_hash": task["spec_hash"], "error": " ".join(str(error).split())}
 
 
-def identity_fields(spec: PartitionSpec) -> dict:
-    """What a partition run's units measure: the spec's fields, every prompt's identity, the
-    model's sha256 and the installed build's key (cheap: no model is loaded)."""
+def identity_fields(spec: PartitionSpec, resolved=None) -> dict:
+    """What a partition run's units measure: the spec's fields, every prompt's identity (of
+    ``resolved``, the spec's prompts resolved, where the caller has them), the model's sha256 and
+    the installed build's key (cheap: no model is loaded)."""
     fields = asdict(spec)
-    fields["prompts"] = [prompt_key(prompts_mod.resolve(t, spec.model, spec.backend)) for t in spec.prompts]
+    ps = resolved if resolved is not None else [prompts_mod.resolve(t, spec.model, spec.backend) for t in spec.prompts]
+    fields["prompts"] = [prompt_key(p) for p in ps]
     fields["model"] = model_sha256(resolve_model(spec.model))
     fields["build"] = installed_build_key()  # a rebuilt library forms its states anew: not resumed from another's
     return fields
@@ -367,7 +369,7 @@ def _identity(run) -> tuple[str, dict]:
                 sweep_schedules(m, p, spec.schedules)
     elif spec.mode == "sweep":
         sweep_schedules(None, None, spec.schedules)
-    fields = identity_fields(spec)
+    fields = identity_fields(spec, ps)
     h = normalized_hash(fields)
     tasks = [{"key": key, "prompt": t, "spec": asdict(spec), "spec_hash": h}
              for t, key in zip(spec.prompts, fields["prompts"])]
