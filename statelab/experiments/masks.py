@@ -9,17 +9,14 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from statelab import prompts
 from statelab.errors import ConfigError
 from statelab.experiments import engine
 from statelab.experiments.engine import Kind, Summary
 from statelab.experiments.folder import RunFolder, normalized_hash
 from statelab.experiments.log import CellLog, first_ok
 from statelab.experiments.records import CAMPAIGN_BLOCK
-from statelab.experiments.spec_run import BLOCK, prompt_key, qualify_records
-from statelab.models import model_sha256, resolve_model
+from statelab.experiments.spec_run import BLOCK, identity_fields, qualify_records
 from statelab.paths import atomic_write_text
-from statelab.runtime.native import installed_build_key
 from statelab.speculative.transaction import Arm, SpecConfig, check_mask
 
 SPEC_FORMAT = "statelab.masks-spec/1"  # OUT/spec.json of a phase-mask folder
@@ -117,17 +114,6 @@ def write_masks(out, res: dict, md: str) -> None:
 
 
 # -- the phase-mask experiment as a kind of the engine -----------------------------
-
-
-def identity_fields(spec) -> dict:
-    """What the blocks measure: the spec's fields, every prompt's id and text hash, the
-    target model's sha256 and the installed build's key (the resolved drafter is a field):
-    R's blocks and the arms' blocks of one run come from one build."""
-    fields = asdict(spec)
-    fields["prompts"] = [prompt_key(prompts.resolve(p, spec.model, spec.backend)) for p in spec.prompts]
-    fields["model"] = model_sha256(resolve_model(spec.model))
-    fields["build"] = installed_build_key()
-    return fields
 
 
 def _identity(run) -> tuple[str, dict]:

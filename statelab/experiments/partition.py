@@ -24,15 +24,13 @@ from statelab.experiments.executors import Unit
 from statelab.experiments.folder import RunFolder, normalized_hash
 from statelab.experiments.log import CellLog
 from statelab.experiments.records import PARTITION_UNIT
-from statelab.experiments.spec_run import prompt_key
+from statelab.experiments.spec_run import identity_fields
 from statelab.kvstate import compare
 from statelab.lab.formation import PRESETS, Schedule, paper_sweep, parse_schedule, partition_sweep, prefill
 from statelab.lab.intervene import config_of, cross, natural, sham
 from statelab.lab.receiver import DEFAULT_CAP, check_cap, continue_greedy
-from statelab.models import model_sha256, resolve_model
 from statelab.paths import atomic_write_netcdf, atomic_write_text
 from statelab.runtime import Context, ContextConfig, Model, prepare_backend
-from statelab.runtime.native import installed_build_key
 
 
 @dataclass
@@ -337,18 +335,6 @@ def unit_result(task: dict) -> dict:
 
 def unit_failed(task: dict, error: str) -> dict:
     return {"key": task["key"], "status": "failed", "spec_hash": task["spec_hash"], "error": " ".join(str(error).split())}
-
-
-def identity_fields(spec: PartitionSpec, resolved=None) -> dict:
-    """What a partition run's units measure: the spec's fields, every prompt's identity (of
-    ``resolved``, the spec's prompts resolved, where the caller has them), the model's sha256 and
-    the installed build's key (cheap: no model is loaded)."""
-    fields = asdict(spec)
-    ps = resolved if resolved is not None else [prompts_mod.resolve(t, spec.model, spec.backend) for t in spec.prompts]
-    fields["prompts"] = [prompt_key(p) for p in ps]
-    fields["model"] = model_sha256(resolve_model(spec.model))
-    fields["build"] = installed_build_key()  # a rebuilt library forms its states anew: not resumed from another's
-    return fields
 
 
 def _folder(spec: PartitionSpec, out) -> RunFolder:

@@ -24,6 +24,24 @@ def prompt_key(prompt) -> str:
     return f"{prompt.id}@{prompt.identity[:12]}"
 
 
+def identity_fields(spec, resolved=None) -> dict:
+    """What a run of ``spec`` (a dataclass with ``prompts``, ``model`` and ``backend``) measures:
+    its fields, every prompt's key (of ``resolved``, the spec's prompts resolved, where the caller
+    has them), the model's sha256 and the installed build's key: a rebuilt library forms its
+    states anew, so a run is not resumed from another build's records (cheap: no model loaded)."""
+    from dataclasses import asdict
+
+    from statelab.models import model_sha256, resolve_model
+    from statelab.runtime.native import installed_build_key
+
+    fields = asdict(spec)
+    ps = resolved if resolved is not None else [prompts.resolve(t, spec.model, spec.backend) for t in spec.prompts]
+    fields["prompts"] = [prompt_key(p) for p in ps]
+    fields["model"] = model_sha256(resolve_model(spec.model))
+    fields["build"] = installed_build_key()
+    return fields
+
+
 def resolve_draft(target_path, draft: str | None, cache_dir: Path | None = None) -> str | None:
     """The resolved text of a drafter (:func:`statelab.speculative.drafters.resolve`): what a
     worker process resolves again without deriving anything; None for no drafter."""
