@@ -21,7 +21,10 @@
 #   RESUME_FROM  a folder with spec.json, controls/ and cells.jsonl.gz of an earlier session's run
 #            (docs/findings/cuda/run/): a new RUN starts from its finished cells; the controls
 #            form the captures again and the study refuses to go on unless they are the states
-#            those cells crossed, byte for byte
+#            those cells crossed, byte for byte (a run kept under earlier chat: prompt identities
+#            is carried over first: benchmarks/device/upgrade_run.py)
+#   REPANEL  1: the kept panel records are left out, so every panel runs again (recording each
+#            arm's top-1 margin and eps_inf at every output before t*)
 set -uo pipefail
 W=${W:-/opt/sl}
 OUT=${OUT:-/tmp/out}
@@ -60,10 +63,13 @@ if [ -n "${RESUME_FROM:-}" ] && [ ! -f "$RUN/spec.json" ]; then
   mkdir -p "$RUN/findings" && cp -r "$RESUME_FROM/spec.json" "$RESUME_FROM/controls" "$RUN/" \
     && gzip -dc "$RESUME_FROM/cells.jsonl.gz" > "$RUN/cells.jsonl" || exit 2
   for k in minimal panels; do  # finished panels and searches are not run again
-    if [ -f "$RESUME_FROM/findings/$k.jsonl.gz" ]; then gzip -dc "$RESUME_FROM/findings/$k.jsonl.gz" > "$RUN/findings/$k.jsonl"
+    if [ "$k" = panels ] && [ "${REPANEL:-0}" = 1 ]; then continue
+    elif [ -f "$RESUME_FROM/findings/$k.jsonl.gz" ]; then gzip -dc "$RESUME_FROM/findings/$k.jsonl.gz" > "$RUN/findings/$k.jsonl"
     elif [ -f "$RESUME_FROM/findings/$k.jsonl" ]; then cp "$RESUME_FROM/findings/$k.jsonl" "$RUN/findings/"; fi
   done
   echo "== resuming from $RESUME_FROM: $(wc -l < "$RUN/cells.jsonl") cell records"
+  # a run kept under earlier prompt identities (chat: prompts, before issue 28) carried over, checked
+  "$PY" benchmarks/device/upgrade_run.py "$RUN" "$RUNSPEC" || exit 2
 fi
 
 t() { date +%s.%N; }

@@ -54,8 +54,12 @@ tag() { local t=${1/:/-}; [ "$BACKEND" = cuda ] || t=$t-$BACKEND; echo "$t"; }
 
 path_of() { echo "$W/models/${1%%:*}-${1##*:}.gguf"; }   # SHAPE:TYPE -> its file
 
-# the E1 results.nc files (tens of MB each: frozen operands) stay under $W/synth-results; reports travel
-pack() { tar -czf "$OUT/synth.tgz" --exclude='*.nc' -C $W synth-results && ls -la "$OUT/synth.tgz"; }
+# only the text results travel (reports, tables, JSON, capture manifests): E1's results.nc and its
+# captures' tensors.npz (tens of MB per model: frozen operands) stay under $W/synth-results
+pack() {
+  (cd $W && find synth-results -type f \( -name '*.md' -o -name '*.txt' -o -name '*.json' \) | sort \
+    | tar -czf "$OUT/synth.tgz" -T -) && ls -la "$OUT/synth.tgz"
+}
 
 synth_one() {   # SHAPE:TYPE
   local m=$1 f; f=$(path_of "$1")
