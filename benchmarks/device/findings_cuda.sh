@@ -17,7 +17,10 @@
 #   FWORKERS processes for the panels and minimal searches (default 1)
 #   FLANES   targets at once in each of them, each in its own contexts (default 8; 1: one forked
 #            process per target, FWORKERS at a time, each initialising CUDA and loading the model)
-#   PANEL_BUDGET, MINIMAL_BUDGET  seconds for the frontier panels / minimal searches (default 120 / 120)
+#   PANEL_BUDGET, MINIMAL_BUDGET  seconds for the frontier panels / minimal searches (default 120 / 120;
+#            MINIMAL_BUDGET=0 skips the searches)
+#   TABLES   0: no findings tables on the machine (`statelab study findings` makes them from the records
+#            that come back, without a model or device)
 #   RESUME_FROM  a folder with spec.json, controls/ and cells.jsonl.gz of an earlier session's run
 #            (docs/findings/cuda/run/): a new RUN starts from its finished cells; the controls
 #            form the captures again and the study refuses to go on unless they are the states
@@ -81,11 +84,16 @@ T1=$(t)
 echo "== frontier panels of class-B cells (budget ${PANEL_BUDGET} s)"
 sl study findings-run "$RUN" --kind panels --budget "$PANEL_BUDGET" --workers "$FWORKERS" --lanes "$FLANES" 2>&1 | tail -2 | tee "$OUT/panels.txt"
 T2=$(t)
-echo "== minimal selections of class-B cells (budget ${MINIMAL_BUDGET} s)"
-sl study findings-run "$RUN" --kind minimal --budget "$MINIMAL_BUDGET" --workers "$FWORKERS" --lanes "$FLANES" 2>&1 | tail -2 | tee "$OUT/minimal.txt"
+if [ "$MINIMAL_BUDGET" != 0 ]; then
+  echo "== minimal selections of class-B cells (budget ${MINIMAL_BUDGET} s)"
+  sl study findings-run "$RUN" --kind minimal --budget "$MINIMAL_BUDGET" --workers "$FWORKERS" --lanes "$FLANES" 2>&1 | tail -2 | tee "$OUT/minimal.txt"
+fi
 T3=$(t)
-echo "== findings tables"
-sl study findings "$RUN" --out "$OUT/findings" 2>&1 | tail -2
+if [ "${TABLES:-1}" = 1 ]; then
+  echo "== findings tables"
+  sl study findings "$RUN" --out "$OUT/findings" 2>&1 | tail -2
+fi
+mkdir -p "$OUT/findings"
 T4=$(t)
 cp "$RUN/results.nc" "$RUN/report.md" "$OUT/" 2>/dev/null
 for k in minimal panels; do [ -f "$RUN/findings/$k.jsonl" ] && cp "$RUN/findings/$k.jsonl" "$OUT/findings/"; done
