@@ -150,3 +150,21 @@ def test_skeleton_state_geometry_is_checked():
     assert sel.selected_bytes == 160 * 192 * 2 and sel.total_bytes == 3_686_400
     with pytest.raises(F.FindingsInputError, match="do not fit"):
         F.skeleton_state(160, 30, 3_686_401)
+
+
+def test_findings_run_independent_targets_leave_out_the_folded_directions():
+    """`study findings-run --independent` on the kept CUDA run: C forms B's state on every
+    prompt there, so A->C and C->A repeat A->B and B->A and their 491 class-B cells are left out;
+    the 491 left are exactly the independent ones the tables count."""
+    from collections import Counter
+
+    from statelab.experiments.findings_run import class_b_targets, independent_targets
+
+    run = load_runs([REPO / "docs" / "findings" / "cuda" / "run"])[0]
+    targets = class_b_targets(run.ds)
+    kept = independent_targets(targets, run.spec, run.controls)
+    by = Counter(t["direction"] for t in targets)
+    assert set(by) == {"A->B", "B->A", "A->C", "C->A"}
+    assert Counter(t["direction"] for t in kept) == {"A->B": by["A->B"], "B->A": by["B->A"]}
+    assert kept == [t for t in targets if F.independent(run, t["task"], t["direction"])]
+    assert len(kept) == F.class_b_count(run) < F.class_b_count(run, folded=True) == len(targets)

@@ -19,6 +19,8 @@
 #            process per target, FWORKERS at a time, each initialising CUDA and loading the model)
 #   PANEL_BUDGET, MINIMAL_BUDGET  seconds for the frontier panels / minimal searches (default 120 / 120;
 #            MINIMAL_BUDGET=0 skips the searches)
+#   INDEPENDENT  1: panels and searches only for the class-B cells of directions not folded into
+#            another (`findings-run --independent`: a folded direction repeats another byte for byte)
 #   TABLES   0: no findings tables on the machine (`statelab study findings` makes them from the records
 #            that come back, without a model or device)
 #   RESUME_FROM  a folder with spec.json, controls/ and cells.jsonl.gz of an earlier session's run
@@ -38,6 +40,7 @@ LANES=${LANES:-8}
 FWORKERS=${FWORKERS:-1}
 FLANES=${FLANES:-8}
 PANEL_BUDGET=${PANEL_BUDGET:-120}
+IND=""; [ "${INDEPENDENT:-0}" = 1 ] && IND=--independent
 MINIMAL_BUDGET=${MINIMAL_BUDGET:-120}
 export PYTHONUNBUFFERED=1 STATELAB_THREADS=${STATELAB_THREADS:-1}
 [ -d /opt/site ] && export PYTHONPATH=/opt/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -82,11 +85,11 @@ sl study run "$RUNSPEC" --out "$RUN" --executor batch --workers "$WORKERS" --lan
 RC_RUN=${PIPESTATUS[0]}
 T1=$(t)
 echo "== frontier panels of class-B cells (budget ${PANEL_BUDGET} s)"
-sl study findings-run "$RUN" --kind panels --budget "$PANEL_BUDGET" --workers "$FWORKERS" --lanes "$FLANES" 2>&1 | tail -2 | tee "$OUT/panels.txt"
+sl study findings-run "$RUN" --kind panels --budget "$PANEL_BUDGET" --workers "$FWORKERS" --lanes "$FLANES" $IND 2>&1 | tail -2 | tee "$OUT/panels.txt"
 T2=$(t)
 if [ "$MINIMAL_BUDGET" != 0 ]; then
   echo "== minimal selections of class-B cells (budget ${MINIMAL_BUDGET} s)"
-  sl study findings-run "$RUN" --kind minimal --budget "$MINIMAL_BUDGET" --workers "$FWORKERS" --lanes "$FLANES" 2>&1 | tail -2 | tee "$OUT/minimal.txt"
+  sl study findings-run "$RUN" --kind minimal --budget "$MINIMAL_BUDGET" --workers "$FWORKERS" --lanes "$FLANES" $IND 2>&1 | tail -2 | tee "$OUT/minimal.txt"
 fi
 T3=$(t)
 if [ "${TABLES:-1}" = 1 ]; then

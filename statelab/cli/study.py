@@ -106,11 +106,13 @@ def study_findings_run(out: Path = typer.Argument(..., help="a finished study fo
                        lanes: int = typer.Option(1, "--lanes", help="targets at once in each worker process, "
                                                  "one thread and context each, the model loaded once (the GPU shape)"),
                        repeats: int = typer.Option(1, "--repeats", help="panels: process repeats of every panel "
-                                                   "(repeat-level contrasts; each repeat in processes of its own)")):
+                                                   "(repeat-level contrasts; each repeat in processes of its own)"),
+                       independent: bool = typer.Option(False, "--independent", help="only the class-B cells of "
+                                                        "directions not folded into another (byte-identical arms)")):
     """Minimal sufficient selections or frontier panels for the study's class-B cells (resumable)."""
     from statelab.experiments.findings_run import run_findings
 
-    s = run_findings(out, kind, budget, workers, limit, lanes=lanes, repeats=repeats)
+    s = run_findings(out, kind, budget, workers, limit, lanes=lanes, repeats=repeats, independent=independent)
     c = {"ok": 0, "skipped": 0, **s.counts, **s.outputs}
     console.print(f"{kind}: {s.ran} run ({c['ok']} ok, {c['skipped']} skipped, {s.failed} failed), "
                   f"{c['done_before']} done before, {c['not_started']} not started, of {c['targets']} class-B cells; "

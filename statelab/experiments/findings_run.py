@@ -45,6 +45,7 @@ from statelab.experiments.matrix.cells import plan
 from statelab.experiments.records import FINDINGS_TARGET
 from statelab.experiments.log import CellLog
 from statelab.experiments.minimal import box_selector, search_minimal
+from statelab.experiments.naming import Direction
 from statelab.experiments.matrix.store import StudyDir
 from statelab.lab.receiver import Endpoint
 from statelab.runtime import ContextPool, Model, prepare_backend
@@ -79,6 +80,20 @@ def class_b_targets(ds, named_first: bool = True) -> list[dict]:
         out.extend(g[depth] for g in groups if depth < len(g))
         depth += 1
     return out
+
+
+def independent_targets(targets: list[dict], spec: dict, controls: dict) -> list[dict]:
+    """The targets of independent directions only: a direction whose donor and recipient arms
+    fold into other arms (equal K/V and initial-logits sha256 of the natural captures:
+    :func:`statelab.analysis.findings.direction_folds`) repeats another direction's crosses
+    byte for byte, so its panels and searches repeat that direction's and the findings tables
+    leave them out."""
+    from statelab.analysis.findings import RunData, direction_folds, independent
+
+    directions = {d: tuple(Direction.parse(d)) for d in spec["normalized"]["directions"]}
+    run = RunData(Path("."), spec["normalized"]["name"], spec, controls, None, [], directions=directions)
+    dfolds = direction_folds(run)
+    return [t for t in targets if independent(run, t["task"], t["direction"], dfolds)]
 
 
 def _is_layer(name: str) -> bool:
@@ -274,9 +289,13 @@ def _prepare(run) -> None:
     ds = load_results(run.folder.results_path)
     if ds.attrs.get("spec_hash") != spec["spec_hash"]:
         raise FindingsError(f"{out}: results.nc is not compiled from this spec.json; run `statelab study report`")
-    tasks, _ = plan(spec, run.folder, run.folder.all_controls())
+    controls = run.folder.all_controls()
+    tasks, _ = plan(spec, run.folder, controls)
+    targets = class_b_targets(ds)
+    if run.options["independent"]:
+        targets = independent_targets(targets, spec, controls)
     run.state.update(by_cell={(t["prompt"], t["selector"], t["direction"]): t for t in tasks if t["repeat"] == 0},
-                     targets=class_b_targets(ds), deadline=time.perf_counter() + run.options["budget_s"],
+                     targets=targets, deadline=time.perf_counter() + run.options["budget_s"],
                      log=CellLog(log_path(out, kind), FINDINGS_TARGET[kind], error=FindingsError))
 
 
@@ -343,14 +362,15 @@ FINDINGS = Kind(
 
 
 def run_findings(out, kind: str, budget_s: float, workers: int = 2, limit: int | None = None,
-                 progress=None, lanes: int = 1, repeats: int = 1) -> Summary:
+                 progress=None, lanes: int = 1, repeats: int = 1, independent: bool = False) -> Summary:
     """Run ``kind`` (minimal | panels) for the class-B cells of the study folder ``out``
     within ``budget_s`` seconds of wall time (no new target starts after it); resumes.
     ``lanes`` L > 1: ``workers`` batch processes, each loading the model once and running L
     targets at once on threads, each lane in its own contexts (the GPU shape, as the study's
     ``--lanes``); otherwise one forked process per target, ``workers`` at a time.  ``repeats``
     (panels only): every panel again in other processes, repeat r in batch processes of its own
-    (log key ``...|rR``), for repeat-level contrasts.  The summary's ``counts`` are the results
+    (log key ``...|rR``), for repeat-level contrasts.  ``independent``: only the targets of
+    directions that are not folded into another (:func:`independent_targets`).  The summary's ``counts`` are the results
     by status; ``outputs``: targets, done_before, not_started."""
     if kind not in KINDS:
         raise FindingsError(f"unknown findings kind {kind!r}: use {' or '.join(KINDS)}")
@@ -363,7 +383,7 @@ def run_findings(out, kind: str, budget_s: float, workers: int = 2, limit: int |
     if not StudyDir(out).results_path.is_file():
         raise FindingsError(f"{out}: no results.nc; run `statelab study run` (or `study report`) first")
     return engine.run(FINDINGS, Path(out), out, "batch" if lanes > 1 else "local", workers, lanes, progress,
-                      what=kind, budget_s=budget_s, limit=limit, repeats=repeats)
+                      what=kind, budget_s=budget_s, limit=limit, repeats=repeats, independent=independent)
 
 
 if __name__ == "__main__":  # a batch process of targets (run_findings with lanes)
