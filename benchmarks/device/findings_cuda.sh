@@ -19,6 +19,8 @@
 #            process per target, FWORKERS at a time, each initialising CUDA and loading the model)
 #   PANEL_BUDGET, MINIMAL_BUDGET  seconds for the frontier panels / minimal searches (default 120 / 120;
 #            MINIMAL_BUDGET=0 skips the searches)
+#   PANEL_REPEATS  process repeats of every panel (default 1; 2: repeat-level contrasts; every panel's
+#            repeat 0 runs before any repeat 1, so a budget that runs out leaves whole repeats first)
 #   INDEPENDENT  1: panels and searches only for the class-B cells of directions not folded into
 #            another (`findings-run --independent`: a folded direction repeats another byte for byte)
 #   TABLES   0: no findings tables on the machine (`statelab study findings` makes them from the records
@@ -85,7 +87,7 @@ sl study run "$RUNSPEC" --out "$RUN" --executor batch --workers "$WORKERS" --lan
 RC_RUN=${PIPESTATUS[0]}
 T1=$(t)
 echo "== frontier panels of class-B cells (budget ${PANEL_BUDGET} s)"
-sl study findings-run "$RUN" --kind panels --budget "$PANEL_BUDGET" --workers "$FWORKERS" --lanes "$FLANES" $IND 2>&1 | tail -2 | tee "$OUT/panels.txt"
+sl study findings-run "$RUN" --kind panels --budget "$PANEL_BUDGET" --workers "$FWORKERS" --lanes "$FLANES" $IND --repeats "${PANEL_REPEATS:-1}" 2>&1 | tail -2 | tee "$OUT/panels.txt"
 T2=$(t)
 if [ "$MINIMAL_BUDGET" != 0 ]; then
   echo "== minimal selections of class-B cells (budget ${MINIMAL_BUDGET} s)"
