@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from statelab.errors import ConfigError
 from statelab.lab.formation import PRESETS, parse_schedule, prefill
 from statelab.lab.receiver import continue_greedy
 from statelab.runtime import Context
@@ -81,6 +82,17 @@ def test_greedy_in_place_equals_greedy_on_the_copied_vector(model, base_config, 
     with Context(model, base_config) as ctx:
         ctx.decode(tokens, 0)
         for step in range(6):
-            t_copy = ctx.greedy(ctx.logits(-1))
+            t_copy = ctx.greedy(ctx.logits(-1))  # the native sampler on a copy
             assert ctx.greedy_row(-1) == t_copy
-            ctx.decode([t_copy], len(tokens) + step)
+            ctx.decode([t_copy], len(tokens) + step)  # the one-token path
+            calls = ctx.n_decode_calls
+        assert calls == 7  # the prompt, then six one-token steps
+        # the one-token path decodes what the general path decodes: same logits bit for bit
+        with Context(model, base_config) as a, Context(model, base_config) as b:
+            a.decode(tokens, 0)
+            b.decode(tokens, 0)
+            a.decode([int(tokens[0])], len(tokens))
+            b.decode(np.asarray([tokens[0]], dtype=np.int32), len(tokens))  # not a list: the general path
+            assert a.logits(-1).tobytes() == b.logits(-1).tobytes()
+            with pytest.raises(ConfigError, match="do not fit n_ctx"):
+                a.decode([1], a.n_ctx)

@@ -297,7 +297,9 @@ class Context(Closing):
 
         logits: None (last row only), "all", "none", or a boolean sequence per row.
         """
-        L = llama()
+        if logits is None and type(tokens) is list and len(tokens) == 1 and 0 <= pos0 < self.n_ctx:  # one-token step
+            self._decode_one(int(tokens[0]), pos0, seq_id)
+            return
         toks = np.asarray(tokens, dtype=np.int32).ravel()
         n = len(toks)
         if n == 0:
@@ -326,9 +328,20 @@ class Context(Closing):
             b.seq_id[i][0] = seq_id
         flags = want.astype(np.int8)  # named: a temporary would be freed before memmove reads it
         ctypes.memmove(b.logits, flags.ctypes.data, n)
+        self._submit(n, pos0)
+
+    def _decode_one(self, token: int, pos: int, seq_id: int) -> None:
+        """decode([token], pos): the same batch, its one row set without numpy temporaries (a
+        continuation decodes one token per call, so this is the per-token host work)."""
+        b = self._batch
+        b.n_tokens = 1
+        b.token[0], b.pos[0], b.seq_id[0][0], b.logits[0] = token, pos, seq_id, 1
+        self._submit(1, pos)
+
+    def _submit(self, n: int, pos0: int) -> None:
         if self.capture is not None:
             self.capture.calls = self.n_decode_calls
-        rc = L.llama_decode(self.ptr, b)
+        rc = llama().llama_decode(self.ptr, self._batch)
         self.n_decode_calls += 1
         if rc != 0:
             raise DecodeError(f"llama_decode returned {rc} for {n} tokens at position {pos0}")
@@ -359,9 +372,20 @@ class Context(Closing):
         return int(cand["id"][arr.selected])
 
     def greedy_row(self, row: int = -1) -> int:
-        """The native greedy sampler on a row's logits of the last decode call, read in place
-        (llama_sampler_sample): the same choice as greedy(logits(row)) without the copy."""
-        return int(llama().llama_sampler_sample(self._greedy, self.ptr, row))
+        """The greedy choice on a row's logits of the last decode call, read in place: one
+        vectorised argmax, the first maximum, which is the choice of the native greedy sampler
+        (greedy(logits(row)); tests/test_speculative.py holds the two equal).  The sampler's own
+        llama_sampler_sample builds a candidate array of the whole vocabulary first, about
+        0.1 ms per token on SmolLM2 (docs/benchmarks.md, "Greedy decode"): the receiver's
+        per-token overhead."""
+        p = llama().llama_get_logits_ith(self.ptr, row)
+        if not p:
+            raise DecodeError(f"no logits for row {row} of the last decode call")
+        lg = np.ctypeslib.as_array(p, shape=(self.n_vocab,))
+        choice = int(lg.argmax())
+        if not np.isfinite(lg[choice]):
+            raise DecodeError("logits contain NaN values")
+        return choice
 
     def synchronize(self) -> None:
         """Wait until the device has finished the last decode call (a no-op cost on CPU)."""
