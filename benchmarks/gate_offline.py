@@ -111,7 +111,6 @@ def replay(prompt: np.ndarray, out: np.ndarray, drafter: NgramDrafter, kp: Adapt
         kp.update(p, m)
         if gate is not None:
             gate.update(drafter.key, p, m)
-            gate.observe(table.host)  # the transaction measures this per cycle; the table holds it here
         c.proposed, c.accepted = c.proposed + p, c.accepted + m
         n += m + 1
     c.declined = gate.declined if gate is not None else 0

@@ -160,69 +160,6 @@ def test_gate_submits_when_rows_are_cheap_and_follows_acceptance():
     assert g.stats == {}
 
 
-H200 = VerifyCosts(same=(1.261e-3, 1.692e-3, 1.929e-3, 1.994e-3, 2.029e-3, 2.087e-3, 2.204e-3, 2.290e-3),
-                   change=(3.645e-3, 4.494e-3, 4.372e-3, 4.548e-3, 4.618e-3, 4.367e-3, 4.574e-3, 4.596e-3))
-
-
-def _steady(g: Gate, key, acceptance: float, cycles: int = 200) -> None:
-    """Feed the gate a long record at one acceptance (every proposal of one token)."""
-    for i in range(cycles):
-        g.choose(key, 1, 8, 8)
-        g.update(key, 1, int((i + 1) * acceptance) - int(i * acceptance))
-
-
-def test_gate_values_a_kept_token_at_the_whole_cycle_it_saves():
-    g = Gate(H200)
-    for _ in range(20):
-        g.observe(0.25e-3)
-    assert g.host == pytest.approx(0.25e-3)
-    _steady(g, "k", 0.1)
-    assert g.acceptance("k") < 0.3
-    # in the 8-row shape a poor acceptance pays: a kept token saves a whole cycle (its call and host work)
-    # while the proposal adds only 8 rows against the cheapest no-proposal cycle (valued at one 1-row
-    # decode alone it did not)
-    n = g.choose("k", 7, 8, 8)
-    assert n > 0
-    _, base = g.plain(8, 8)
-    kept = sum(g.acceptance("k") ** i for i in range(1, n + 1))
-    assert kept * (base + g.host) > H200.cost(8, 8) - base > kept * H200.same[0]
-    # the steady half of the brief: acceptance 0.5 over 8 fixed rows proposes
-    h = Gate(H200)
-    _steady(h, "h", 0.5)
-    assert h.choose("h", 7, 8, 8) > 0
-
-
-def test_gate_never_submits_a_negative_expected_gain():
-    g = Gate(H200, host=0.25e-3)
-    _steady(g, "bad", 0.02)
-    for prev in (0, 1, 8):
-        assert g.choose("bad", 7, prev, 8) == 0
-        a = g.acceptance("bad")
-        _, base = g.plain(prev, 8)
-        kept = np.cumsum(a ** np.arange(1, 8))
-        assert (kept * (base + g.host) - (H200.cost(8, prev) - base)).max() <= 0
-
-
-def test_gate_tries_a_rejected_kind_of_match_again_later():
-    g = Gate(H200, host=0.25e-3)
-    for _ in range(30):  # a kind of match rejected many times is turned off ...
-        g.choose("r", 7, 8, 8)
-        g.update("r", 7, 0)
-    assert g.choose("r", 7, 8, 8) == 0
-    off = g.acceptance("r")
-    tries = 0
-    for _ in range(200):  # ... but its record fades: after cycles of other work it is tried again
-        tries += g.choose("r", 7, 8, 8) > 0
-        if tries:
-            break
-    assert tries == 1 and g.acceptance("r") > off
-    forever = Gate(H200, host=0.25e-3, half_life=float("inf"))  # without fading it stays off
-    for _ in range(30):
-        forever.choose("r", 7, 8, 8)
-        forever.update("r", 7, 0)
-    assert not any(forever.choose("r", 7, 8, 8) for _ in range(200))
-
-
 def test_verify_costs_round_trip_and_checks():
     c = VerifyCosts((0.001, 0.002), (0.003, 0.004))
     assert VerifyCosts.from_dict(c.as_dict()) == c and c.rows == 2 and c.cost(2, 2) == 0.002

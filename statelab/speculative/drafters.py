@@ -341,9 +341,6 @@ class VerifyCosts:
         return cls(tuple(float(x) for x in d["same"]), tuple(float(x) for x in d["change"]))
 
 
-HALF_LIFE = 16  # cycles after which the gate's evidence on a kind of match weighs half (the prior does not fade)
-
-
 @dataclass
 class Gate:
     """Propose only when the expected gain is positive.
@@ -353,39 +350,20 @@ class Gate:
     p tokens from evidence `key` is expected to keep a^1 + ... + a^p of them, a the running
     probability that the next proposed token is accepted given the previous ones were
     (accepted / (accepted + rejections) per key, this request only, from optimistic
-    pseudo-counts 3:1).  The evidence fades with a half-life of ``half_life`` cycles (the
-    prior does not), so a kind of match turned off by a few rejections drifts back to the
-    prior and is tried again later, and one that went bad stops being trusted.  Each kept
-    token saves a whole cycle without proposals: that cycle's verify (what :meth:`plain`
-    would submit, shape change included) plus the cycle's host work outside the verify
-    (:meth:`observe`, measured per cycle by the transaction).  A proposal is submitted (cut
-    to its best length when rows follow it) only when expected kept tokens x that cycle
-    exceed the extra cost of its verify over the no-proposal cycle."""
+    pseudo-counts 3:1, so a kind of match is tried until its own record turns it off).  It
+    is submitted (cut to its best length when rows follow it) only when expected kept tokens
+    x the one-row cost exceed the extra cost of its verify over the no-proposal cycle."""
     costs: VerifyCosts
     prior: tuple[float, float] = (3.0, 1.0)  # pseudo-counts (accepted, rejected): optimistic, so every kind of
     # match is tried in each request until its own evidence says it does not pay
-    half_life: float = HALF_LIFE  # cycles; inf: evidence never fades
-    stats: dict = field(default_factory=dict)  # key -> (accepted, rejections, cycle of the last update)
+    stats: dict = field(default_factory=dict)
     declined: int = 0
-    cycle: int = 0
-    host: float = 0.0  # seconds of a cycle outside its verify call (running mean of what observe hears)
-    observed: int = 0
 
     def start(self) -> None:
-        self.stats, self.cycle, self.host, self.observed = {}, 0, 0.0, 0
-
-    def observe(self, seconds: float) -> None:
-        """One cycle's host time outside its verify call, as the running request measured it."""
-        self.observed += 1
-        self.host += (float(seconds) - self.host) / self.observed
-
-    def _evidence(self, key) -> tuple[float, float]:
-        a, r, t = self.stats.get(key, (0.0, 0.0, self.cycle))
-        w = 0.5 ** ((self.cycle - t) / self.half_life)
-        return a * w, r * w
+        self.stats = {}
 
     def acceptance(self, key) -> float:
-        a, r = self._evidence(key)
+        a, r = self.stats.get(key, (0, 0))
         return (a + self.prior[0]) / (a + r + self.prior[0] + self.prior[1])
 
     def plain(self, prev_rows: int, fixed_rows: int | None) -> tuple[int, float]:
@@ -398,19 +376,19 @@ class Gate:
         return 1, one
 
     def choose(self, key, p: int, prev_rows: int, fixed_rows: int | None) -> int:
-        """How many of p proposals to submit (0: none); one call per cycle."""
-        self.cycle += 1
+        """How many of p proposals to submit (0: none)."""
         if p < 1:
             return 0
         a = self.acceptance(key)
         kept = np.cumsum(a ** np.arange(1, p + 1))  # expected kept tokens for 1..p proposals
         _, base = self.plain(prev_rows, fixed_rows)
+        one = self.costs.same[0]
         if fixed_rows:
             rows = np.full(p, min(fixed_rows, self.costs.rows))
         else:
             rows = np.minimum(np.arange(2, p + 2), self.costs.rows)
         extra = np.array([self.costs.cost(int(r), prev_rows) for r in rows]) - base
-        gain = kept * (base + self.host) - extra  # a kept token saves a whole cycle without proposals
+        gain = kept * one - extra
         best = int(np.argmax(gain))
         if gain[best] <= 0:
             self.declined += 1
@@ -420,5 +398,5 @@ class Gate:
     def update(self, key, proposed: int, accepted: int) -> None:
         if proposed < 1:
             return
-        a, r = self._evidence(key)
-        self.stats[key] = (a + accepted, r + (accepted < proposed), self.cycle)
+        a, r = self.stats.get(key, (0, 0))
+        self.stats[key] = (a + accepted, r + (accepted < proposed))

@@ -357,7 +357,6 @@ class Transaction:
                 verify[rows:] = verify[rows - 1]
                 rows = rows_fixed
             prev_rows = rows
-            t_call = time.perf_counter()
             choices = self._verify(verify[:rows], n_past, p + 1)
             t2 = time.perf_counter()
             agree = props == choices[:p]
@@ -383,8 +382,6 @@ class Transaction:
             hist[L:L + keep] = new[:keep]
             L += keep
             c.committed += keep
-            if gate is not None:  # what a cycle costs beside its verify call, measured here
-                gate.observe(time.perf_counter() - t0 - (t2 - t_call))
         c.t_cycle += time.perf_counter() - t_start
         c.graph_builds, c.graph_reuses = graphs()
         out = hist[n0:L].copy()
