@@ -80,7 +80,8 @@ def test_step_margins_are_those_of_the_full_logits(model, he, base_config):
     assert st["eps_inf"][0] == 0.0  # output 0: every arm starts from the recipient's initial logits
 
 
-@pytest.mark.parametrize("kept", [pytest.param("cuda", marks=pytest.mark.slow), "cpu-paper-check"])
+@pytest.mark.parametrize("kept", [pytest.param("cuda", marks=pytest.mark.slow), pytest.param("cpu", marks=pytest.mark.slow),
+                                  "cpu-paper-check"])
 def test_committed_tables_regenerate_from_the_committed_records(tmp_path, kept):
     """docs/findings/KEPT: findings.md, findings.json and contrasts.md again, byte for byte,
     from docs/findings/KEPT/run alone (no captures, no results.nc, no model)."""
