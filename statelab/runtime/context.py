@@ -381,11 +381,7 @@ class Context(Closing):
         p = llama().llama_get_logits_ith(self.ptr, row)
         if not p:
             raise DecodeError(f"no logits for row {row} of the last decode call")
-        lg = np.ctypeslib.as_array(p, shape=(self.n_vocab,))
-        choice = int(lg.argmax())
-        if not np.isfinite(lg[choice]):
-            raise DecodeError("logits contain NaN values")
-        return choice
+        return int(self._first_max(p, 1)[0])
 
     def synchronize(self) -> None:
         """Wait until the device has finished the last decode call (a no-op cost on CPU)."""
@@ -397,6 +393,11 @@ class Context(Closing):
         p = llama().llama_get_logits(self.ptr)
         if not p:
             raise DecodeError("no logits from the last decode call")
+        return self._first_max(p, n)
+
+    def _first_max(self, p, n: int) -> np.ndarray:
+        """Per row of the n logits rows at pointer p (read in place): the index of the first
+        maximum; a chosen NaN (numpy's argmax picks the first NaN) is refused."""
         lg = np.ctypeslib.as_array(p, shape=(n, self.n_vocab))
         choice = lg.argmax(axis=1)
         if not np.isfinite(lg[np.arange(n), choice]).all():
