@@ -731,9 +731,9 @@ def markdown(f: Findings) -> str:
     p = f.panels
     out.append("\n## 6. Frontier panels of class-B cells\n")
     out.append(f"One 2x2 panel per class-B cell of an independent direction (BOTH = the cell's selection; C1/C2 = "
-               f"its K and V parts, or the two halves of its position range for one-component cells; one process "
+               f"its K and V parts, or the two halves of its position range for one-component cells; counted on the first process "
                f"repeat): {_share(p['panels'], p['class_b_cells'])} run, {p['skipped']} without a split, "
-               f"{p['failed']} failed ({p['records_all_directions']} panel records over all directions; "
+               f"{p['failed']} failed ({p['records_all_directions']} panel records over all directions and process repeats; "
                f"{p['folded']} of them belong to folded directions and {p['folded_equal']} of those equal the panel "
                f"they repeat in t*, tokens, pair and scores bit for bit). With a frontier t*: {p['with_frontier']}.\n")
     if p["with_frontier"]:
