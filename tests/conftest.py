@@ -218,6 +218,22 @@ def is_controller(config) -> bool:
         getattr(config.option, "tx", None))
 
 
+def _native_build_line() -> str:
+    """The native build and the CPU features it was compiled for, first in every run's output:
+    the CPU facts the tests and golden files hold (docs/backends.md, "CPU") were measured on
+    AVX512F builds, and an AVX2-only host gives other ones. Asked in a subprocess, so that this
+    process loads no native library."""
+    code = ("from statelab.runtime.native import build_identity as b; i = b(); "
+            "print(i.get('backend'), i.get('build_key'), '|', i.get('system_info'))")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+        line = r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else \
+            f"not read ({(r.stderr.strip().splitlines() or ['no output'])[-1]})"
+    except (OSError, subprocess.SubprocessError) as e:
+        line = f"not read ({e})"
+    return f"statelab native build: {line}"
+
+
 def pytest_configure(config):
     if not is_controller(config):  # the controller runs no test and loads no model
         _count_model_loads()
@@ -229,6 +245,9 @@ def pytest_sessionstart(session):
         return
     # the session's golden runs live in one folder that this process (serial, or the controller,
     # before it starts its workers) chooses and its workers inherit through the environment
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:  # shown under -q too (a report header is not)
+        reporter.write_line(_native_build_line())
     root = Path(tempfile.mkdtemp(prefix="statelab-golden-"))
     _golden_state["root"] = root
     os.environ[GOLDEN_ROOT_ENV] = str(root)
