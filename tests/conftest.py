@@ -243,11 +243,11 @@ def pytest_sessionstart(session):
     config = session.config
     if is_worker(config):
         return
-    # the session's golden runs live in one folder that this process (serial, or the controller,
-    # before it starts its workers) chooses and its workers inherit through the environment
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:  # shown under -q too (a report header is not)
         reporter.write_line(_native_build_line())
+    # the session's golden runs live in one folder that this process (serial, or the controller,
+    # before it starts its workers) chooses and its workers inherit through the environment
     root = Path(tempfile.mkdtemp(prefix="statelab-golden-"))
     _golden_state["root"] = root
     os.environ[GOLDEN_ROOT_ENV] = str(root)
