@@ -1,6 +1,9 @@
-"""benchmarks/device/upgrade_run.py on the kept CUDA findings run (its chat: prompts recorded
-under the identity of their rendered text): carried over to this code's identities only when
-each prompt renders to the recorded text, then the study folder's hash check accepts it."""
+"""benchmarks/device/upgrade_run.py on the kept CUDA findings run as it was before its carry-over
+(its chat: prompts recorded under the identity of their rendered text): carried over to this
+code's identities only when each prompt renders to the recorded text, then the study folder's
+hash check accepts it.  tests/data/upgrade-run/ is that run's spec.json as kept until
+2026-12-03 (commit a1fa1bf), with 2 of its 24 controls, its first 50 cell records and 5 search
+records: the kept run itself has since been carried over on the H200."""
 from __future__ import annotations
 
 import gzip
@@ -15,7 +18,7 @@ from statelab.errors import ConfigError
 from statelab.experiments.matrix.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
-KEPT = REPO / "docs" / "findings" / "cuda" / "run"
+KEPT = Path(__file__).resolve().parent / "data" / "upgrade-run"
 SPEC = REPO / "studies" / "findings-cuda.toml"
 
 _s = importlib.util.spec_from_file_location("upgrade_run", REPO / "benchmarks" / "device" / "upgrade_run.py")
@@ -24,14 +27,13 @@ _s.loader.exec_module(upgrade_run)
 
 
 def _copy(tmp_path: Path) -> Path:
-    """The kept run's spec.json, controls, a few cell records and the search records."""
+    """The kept run as it was: spec.json, controls, cell and search records."""
     run = tmp_path / "run"
     shutil.copytree(KEPT / "controls", run / "controls")
     shutil.copy(KEPT / "spec.json", run / "spec.json")
     (run / "findings").mkdir()
     shutil.copy(KEPT / "findings" / "minimal.jsonl.gz", run / "findings" / "minimal.jsonl.gz")
-    lines = gzip.decompress((KEPT / "cells.jsonl.gz").read_bytes()).splitlines(keepends=True)[:50]
-    (run / "cells.jsonl").write_bytes(b"".join(lines))
+    (run / "cells.jsonl").write_bytes(gzip.decompress((KEPT / "cells.jsonl.gz").read_bytes()))
     return run
 
 
@@ -49,6 +51,8 @@ def test_kept_run_carried_to_this_codes_hash(tmp_path):
     before = _texts(run)
     h_old, h_new, carried = upgrade_run.upgrade(run, str(SPEC))
     assert (h_old, h_new) == (old, spec.hash)
+    # the hash the H200 carried the whole kept run to (docs/findings/cuda/run) is this one
+    assert json.loads((REPO / "docs" / "findings" / "cuda" / "run" / "spec.json").read_text())["spec_hash"] == h_new
     assert sorted(carried) == sorted(p.id for p in spec.prompts if p.id.startswith("chat:"))
     after = _texts(run)
     assert set(after) == set(before)
