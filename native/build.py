@@ -50,6 +50,36 @@ COMMON_CMAKE = [
     "-DGGML_OPENMP=ON",
     "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL",
 ]
+# One instruction set on every x86-64 host (x86-64-v3: AVX2, FMA, F16C, BMI2, no AVX512),
+# not the host's own (-march=native, llama.cpp's default): ggml picks its CPU kernels at compile
+# time, and an AVX512F build forms other KV states than an AVX2 one from the same prompt (which
+# prefill ubatches agree, and where A and R part, both changed between CI hosts). Pinned, the
+# CPU facts and the golden files are those of one build wherever it runs. A build for this
+# host's own ISA: --cmake -DGGML_NATIVE=ON (a later argument wins; it enters the build key).
+X86_ISA = "x86-64-v3"
+ISA_CMAKE = ["-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
+             "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF",
+             "-DGGML_AVX_VNNI=OFF"]
+X86_NEEDS = ("avx2", "fma", "f16c", "bmi2")
+
+
+def isa_cmake(extra_cmake: list[str] | None = None) -> list[str]:
+    """The pinned ISA's CMake arguments on x86-64 (none elsewhere, or when the caller asks for a
+    native build); refuses a host that cannot run the pinned build."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    if any(a.startswith("-DGGML_NATIVE=") and a.split("=", 1)[1].upper() in ("ON", "1", "TRUE")
+           for a in extra_cmake or []):
+        return []
+    flags = host_cpu_flags()
+    missing = [f for f in X86_NEEDS if flags is not None and f not in flags]
+    if missing:
+        raise BuildError(f"this CPU lacks {', '.join(missing)}, which the pinned {X86_ISA} build needs; "
+                         "build for it with --cmake -DGGML_NATIVE=ON (its CPU facts then differ "
+                         "from the golden files)")
+    return list(ISA_CMAKE)
+
+
 BACKEND_CMAKE = {
     "cpu": [],
     "vulkan": ["-DGGML_VULKAN=ON"],
@@ -107,8 +137,18 @@ def compiler_id(backend: str) -> str:
     return " | ".join(parts)
 
 
+def host_cpu_flags() -> set[str] | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
 def cpu_signature() -> str:
-    """The CPU feature flags: the native CPU build targets this machine's ISA."""
+    """The CPU feature flags (a build with --cmake -DGGML_NATIVE=ON targets this machine's ISA)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -183,7 +223,7 @@ def build_key(ident: dict) -> str:
 
 def identity(backend: str, upto: str | None = None, extra_cmake: list[str] | None = None) -> dict:
     patches = patch_series(upto)
-    cmake_args = COMMON_CMAKE + BACKEND_CMAKE[backend] + list(extra_cmake or [])
+    cmake_args = COMMON_CMAKE + isa_cmake(extra_cmake) + BACKEND_CMAKE[backend] + list(extra_cmake or [])
     return {
         "sdist": f"{SDIST_NAME}=={SDIST_VERSION}",
         "sdist_sha256": SDIST_SHA256,

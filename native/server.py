@@ -53,10 +53,11 @@ BACKENDS = ("cpu", "cuda")
 
 
 def server_identity(backend: str, extra_cmake: list[str] | None = None) -> dict:
-    ident = build.identity(backend)
+    ident = build.identity(backend, extra_cmake=extra_cmake)
     ident.update(
         target=TARGET,
-        cmake_args=SERVER_CMAKE + build.BACKEND_CMAKE[backend] + list(extra_cmake or []),
+        cmake_args=SERVER_CMAKE + build.isa_cmake(extra_cmake) + build.BACKEND_CMAKE[backend]
+        + list(extra_cmake or []),
         python_tag="-",  # a native binary: the interpreter does not enter the key
     )
     return ident

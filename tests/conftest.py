@@ -221,7 +221,7 @@ def is_controller(config) -> bool:
 def _native_build_line() -> str:
     """The native build and the CPU features it was compiled for, first in every run's output:
     the CPU facts the tests and golden files hold (docs/backends.md, "CPU") are those of the
-    hosts the suite ran on so far (AVX512F), and an AVX2-only host gives other ones.  Asked in
+    pinned x86-64-v3 build (native/build.py), and a native build for the host may give others.  Asked in
     a subprocess (about 0.25 s), so that this process loads no native library."""
     code = ("from statelab.runtime.native import build_identity as b; i = b(); "
             "print(i.get('backend'), i.get('build_key'), '|', i.get('system_info'))")

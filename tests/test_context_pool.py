@@ -22,7 +22,7 @@ CAP = 40
 
 @pytest.fixture(scope="module")
 def a_r(model, base_config, he):
-    p = he("HumanEval/2")  # A and R differ here: first natural difference at output 26
+    p = he("HumanEval/13")  # A and R differ here: first natural difference at output 20 (CPU build)
     return {name: natural(model, p, PRESETS[name], base_config, CAP) for name in ("A", "R")}
 
 

@@ -183,9 +183,9 @@ def test_findings_path_on_real_model(tmp_path):
         pids[(c["prompt"], c["direction"], c["repeat"])].add(c["pid"])
     assert all(len(v) == 1 for v in pids.values())
     assert len({next(iter(v)) for v in pids.values()}) == 8
-    # HumanEval/2 (81 tokens): TAIL selects nothing, the same bytes as EMPTY; crossed once per batch
+    # HumanEval/4 (117 tokens): TAIL selects nothing, the same bytes as EMPTY; crossed once per batch
     shared = [c for c in cells if c.get("same_cross_as")]
-    assert sorted({(c["prompt"], c["selector"]) for c in shared}) == [("HumanEval/2", "TAIL")] and len(shared) == 4
+    assert sorted({(c["prompt"], c["selector"]) for c in shared}) == [("HumanEval/4", "TAIL")] and len(shared) == 4
     for c in shared:
         assert c["same_cross_as"].split("|")[1] == "EMPTY"
         first = next(x for x in cells if x["key"] == c["same_cross_as"])
@@ -222,7 +222,7 @@ def test_findings_path_on_real_model(tmp_path):
     md = (out / "findings.md").read_text()
     data = json.loads((out / "findings.json").read_text())
     div = data["divergence"][0]
-    # cap 16: HumanEval/2 agrees (first difference at 26), the long chat message diverges at 11
+    # cap 16: HumanEval/4 diverges (first difference at 6), the long chat message agrees
     assert (div["pair"], div["inputs"], div["diverging"]) == ("A/R", 2, 1)
     sep = [s for s in data["separability"] if s["magnitude"] == "L2 rel"][0]
     assert sep["both_labels"] and sep["n"] == 2

@@ -96,9 +96,9 @@ def test_position_panel_two_processes_agree(run_dir):
     for rec, d in (("R", "A->R"), ("A", "R->A")):
         cell = pos.sel(recipient=rec, direction=d)
         ts = cell["t_star"].values
-        assert ts.tolist() == [2, 2]
+        assert ts.tolist() == [6, 6]
         assert (cell["token_a"].values >= 0).all() and (cell["token_b"].values >= 0).all()
-        at = cell.sel(position=2)
+        at = cell.sel(position=6)
         for name in ("additive", "joint", "interaction"):
             v = at[name].values
             assert np.isfinite(v).all()
@@ -111,10 +111,10 @@ def test_position_panel_two_processes_agree(run_dir):
     agr = F.score_repeat_agreement(ds)
     assert agr.attrs["n_compared"] >= 2 and agr.attrs["n_agree"] == agr.attrs["n_compared"]
     assert bool(agr["agree"].sel(task="HumanEval/86", panel="POSITION", recipient="R", direction="A->R",
-                                 position=2))
+                                 position=6))
     # POSITION direction symmetry: the same four states, so the canonical interaction is the same
-    i_ar = float(pos.sel(recipient="R", direction="A->R", position=2, repeat=0)["interaction"])
-    i_ra = float(pos.sel(recipient="A", direction="R->A", position=2, repeat=0)["interaction"])
+    i_ar = float(pos.sel(recipient="R", direction="A->R", position=6, repeat=0)["interaction"])
+    i_ra = float(pos.sel(recipient="A", direction="R->A", position=6, repeat=0)["interaction"])
     assert i_ar == i_ra and i_ar != 0.0
 
     # L0 on CPU: imports change no byte, the four arms are one run, no frontier (cleanly)
@@ -127,7 +127,7 @@ def test_position_panel_two_processes_agree(run_dir):
     assert m["panels"]["POSITION"]["imports"]["C1"]["changed_bytes"] > 0
 
     report = (out / "report.md").read_text()
-    assert "no frontier" in report and "| HumanEval/86 | R | POSITION (PREFIX/TAIL) | A->R | 0 | 2 |" in report
+    assert "no frontier" in report and "| HumanEval/86 | R | POSITION (PREFIX/TAIL) | A->R | 0 | 6 |" in report
     assert sorted(p.name for p in (out / "plots").glob("*.png")) == [
         "HumanEval_86_POSITION_A-R_r0.png", "HumanEval_86_POSITION_R-A_r0.png"]
 
@@ -245,9 +245,9 @@ def test_demo_frontier_section(model):
     from statelab.experiments.demo import frontier_section
     from statelab.runtime import ContextConfig
 
-    md = frontier_section(model, ContextConfig(backend="cpu", n_ctx=1024, n_threads=1), ["HumanEval/86"], cap=4)
-    assert md.startswith("## Frontier panels (L0, POSITION; arms A, R, cap 4")
-    assert "| HumanEval/86 | R | POSITION (PREFIX/TAIL) | A->R | 0 | 2 |" in md
+    md = frontier_section(model, ContextConfig(backend="cpu", n_ctx=1024, n_threads=1), ["HumanEval/86"], cap=8)
+    assert md.startswith("## Frontier panels (L0, POSITION; arms A, R, cap 8")
+    assert "| HumanEval/86 | R | POSITION (PREFIX/TAIL) | A->R | 0 | 6 |" in md
     assert "HumanEval/86 A->R L0 (L0_K/L0_V) repeat 0: no frontier" in md
     assert "every import is byte-identical to the recipient's KV" in md
     assert "FAILED CONTROL" not in md

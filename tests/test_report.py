@@ -148,7 +148,7 @@ def test_study_run_and_report_write_report_html(tmp_path):
 @pytest.mark.model
 def test_frontier_run_and_analyse_write_report_html(tmp_path):
     spec = tmp_path / "f.toml"
-    spec.write_text('name = "f-report"\nthreads = 1\ncap = 4\nrepeats = 2\nprompts = ["HumanEval/86"]\n'
+    spec.write_text('name = "f-report"\nthreads = 1\ncap = 8\nrepeats = 2\nprompts = ["HumanEval/86"]\n'
                     'directions = ["A->R"]\npanels = ["POSITION"]\n\n[arms]\nA = "A"\nR = "R"\n')
     out = tmp_path / "run"
     r = run_cli("frontier", "run", spec, "--out", out, env=THREADS)

@@ -39,21 +39,27 @@ def test_state_get_set_into_fresh_context_continues_identically(model, base_conf
     assert restored.length == 24 or restored.eog
 
 
-def test_cpu_ubatch_one_differs_from_batched_prefill(model, base_config, he):
-    """ARCHITECTURE.md: on CPU, ubatch >= 2 agree bitwise, ubatch 1 differs."""
-    differing = []
-    for task in (0, 2, 10):
+def test_cpu_prefill_equals_ubatch_512_exactly_when_no_micro_batch_has_one_row(model, base_config, he):
+    """docs/backends.md ("CPU", the pinned x86-64-v3 build): a prefill gives ubatch 512's logits and
+    KV state bitwise when its last micro-batch holds more than one row, and differs when one row
+    is left over (the one-row attention-score product takes another kernel); ubatch 1 differs.
+    HumanEval/0 (125 tokens) leaves one row at ubatch 2 and 4 and none at 3; /10 (160) none at 2.
+    The comparisons are booleans: pytest would otherwise diff megabytes of state for minutes."""
+    seen = set()
+    for task in (0, 10):
         tokens = model.tokenize(he(task).text)
         results = {}
-        for ub in (1, 2, 512):
+        for ub in (1, 2, 3, 4, 512):
             ctx, logits = _prefill(model, base_config, tokens, ub)
             with ctx:
-                results[ub] = (logits, ctx.state_get())
-        assert results[2][0].tobytes() == results[512][0].tobytes(), "ubatch 2 and 512 should agree on CPU"
-        assert results[2][1] == results[512][1]
-        if results[1][0].tobytes() != results[512][0].tobytes():
-            differing.append((task, float(np.abs(results[1][0] - results[512][0]).max())))
-    assert differing, "ubatch 1 gave the same logits as ubatch 512 on every prompt"
+                results[ub] = (logits.tobytes(), ctx.state_get())
+        for ub in (1, 2, 3, 4):
+            one_row_left = len(tokens) % ub == 1 or ub == 1
+            same_logits = results[ub][0] == results[512][0]
+            same_state = results[ub][1] == results[512][1]
+            assert same_logits == same_state == (not one_row_left), (task, len(tokens), ub, same_logits, same_state)
+            seen.add(one_row_left)
+    assert seen == {True, False}, "the prompts should show both cases"
 
 
 def test_greedy_sampler_matches_argmax_and_rejects_bad_vectors(model, base_config):

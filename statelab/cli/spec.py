@@ -43,7 +43,10 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
              mask: int = typer.Option(3, help="phase mask 0..15 (1 target prefill, 2 target continuation, 4 draft "
                                               "prefill, 8 draft continuation)"),
              cap: int = CapOpt, model: Optional[Path] = ModelOpt, draft: str = DraftOpt, backend: str = BackendOpt,
-             threads: int = ThreadsOpt, gate: bool = GateOpt, json_out: Optional[Path] = typer.Option(None, "--json")):
+             threads: int = ThreadsOpt, gate: bool = GateOpt,
+             warmup: bool = typer.Option(True, help="a short warm-up request of each arm before the timed one "
+                                                    "(--no-warmup: one pass; times then include first-use costs)"),
+             json_out: Optional[Path] = typer.Option(None, "--json")):
     """Run arms on one prompt in this process; qualify each against R; time qualified arms."""
     from statelab.experiments.spec_run import run_arms
     from statelab.speculative.transaction import SpecConfig
@@ -53,7 +56,7 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
                      fixed_rows=fixed_rows)
     p = prompt_of(prompt, humaneval, prompt_file)
     results, need_draft = run_arms(model, draft, p, names, cfg, refused=lambda a, why: err.print(f"{a}: {why}; not run"),
-                                   gate=gate)
+                                   gate=gate, warmup=warmup)
     t = Table(title=f"{p.id} (sha256 {p.sha256[:12]}): k={k}{f'..{k_max}' if k_max else ''}, ubatch "
                     f"{cfg.target_ubatch}, mask {mask}, cap {cap}, {backend}, draft {draft if need_draft else '-'}")
     for col in ("arm", "qualified", "first diff", "seconds", "accepted/proposals", "declined", "tokens/call",

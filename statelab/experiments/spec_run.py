@@ -61,13 +61,14 @@ def load_runner(model_path, draft: str | None, cfg: SpecConfig, costs: dict | No
 
 
 def run_arms(model_path, draft, prompt, names: list[str], cfg: SpecConfig, refused=lambda arm, why: None,
-             gate: bool = False):
+             gate: bool = False, warmup: bool = True):
     """Arms on one prompt in this process (``spec run``), R first (every arm is qualified
     against it, so R runs even when not named); an arm the device would not run
     (:func:`~statelab.runtime.admission.device_refusal`) is reported to ``refused(arm, why)``
     and left out.  With ``gate`` each drafting arm's verify costs are measured first (on
-    ``prompt``) and its proposals gated by them.  Returns (qualified results, whether a
-    drafter was needed)."""
+    ``prompt``) and its proposals gated by them.  ``warmup``: a short request of each arm before
+    the one timed (without it the times include first-use costs: graph and shader builds).
+    Returns (qualified results, whether a drafter was needed)."""
     need_draft = any([Arm.parse(a).draft for a in names])  # a list: every name is checked
     runner = load_runner(model_path, resolve_draft(model_path, draft) if need_draft else None, cfg)
     names = (["R"] if "R" not in names else []) + list(names)
@@ -80,7 +81,7 @@ def run_arms(model_path, draft, prompt, names: list[str], cfg: SpecConfig, refus
             kept.append(a)
     if gate:
         runner.costs = {a: runner.measure_verify_costs(a, prompt) for a in kept if Arm.parse(a).draft}
-    return qualify([runner.run(a, prompt, warmup=True) for a in kept]), need_draft
+    return qualify([runner.run(a, prompt, warmup=warmup) for a in kept]), need_draft
 
 
 def _worker(job: dict) -> dict:
