@@ -5,8 +5,8 @@
 One fresh context per (HumanEval task, ubatch): the whole prompt is prefilled with that
 ubatch, and the last row's logits are compared bitwise with ubatch 512's. Each row prints
 the prompt length, the size of the last micro-batch and max |d|. The CPU facts of
-docs/backends.md come from this printout. They depend on the host's instruction set:
-the native build is compiled for the host.
+docs/backends.md come from this printout. They depend on the build's instruction set
+(pinned to x86-64-v3 on x86-64 by native/build.py; docs/backends.md, "CPU").
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ m = Model(None, backend="vulkan")
 base = ContextConfig(backend="vulkan", n_ctx=512)
 # 23 tokens: ubatch 16 ends with a 7-token micro-batch (ggml-vulkan's matrix-vector shaders take
 # products of at most 8 columns, mul_mm larger ones), A's one micro-batch does not
-p = prompts.resolve("text:def add(a, b):\n    return a + b\n\nprint(add(2, 3))")
+p = prompts.resolve("text:def add(a, b):\\n    return a + b\\n\\nprint(add(2, 3))")
 a, ea = natural(m, p, PRESETS["A"], base, cap=3)
 c = form(m, p, parse_schedule("ub16"), base)
 d = compare(a.state, c.state)
