@@ -55,7 +55,7 @@ COMMON_CMAKE = [
 # time, and an AVX512F build forms other KV states than an AVX2 one from the same prompt (which
 # prefill ubatches agree, and where A and R part, both changed between CI hosts). Pinned, the
 # CPU facts and the golden files are those of one build wherever it runs. A build for this
-# host's own ISA: --cmake -DGGML_NATIVE=ON (a later argument wins; it enters the build key).
+# host's own ISA: --cmake-arg=-DGGML_NATIVE=ON (a later argument wins; it enters the build key).
 X86_ISA = "x86-64-v3"
 ISA_CMAKE = ["-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
              "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF",
@@ -75,7 +75,7 @@ def isa_cmake(extra_cmake: list[str] | None = None) -> list[str]:
     missing = [f for f in X86_NEEDS if flags is not None and f not in flags]
     if missing:
         raise BuildError(f"this CPU lacks {', '.join(missing)}, which the pinned {X86_ISA} build needs; "
-                         "build for it with --cmake -DGGML_NATIVE=ON (its CPU facts then differ "
+                         "build for it with --cmake-arg=-DGGML_NATIVE=ON (its CPU facts then differ "
                          "from the golden files)")
     return list(ISA_CMAKE)
 
@@ -148,7 +148,7 @@ def host_cpu_flags() -> set[str] | None:
 
 
 def cpu_signature() -> str:
-    """The CPU feature flags (a build with --cmake -DGGML_NATIVE=ON targets this machine's ISA)."""
+    """The CPU feature flags (a build with --cmake-arg=-DGGML_NATIVE=ON targets this machine's ISA)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
