@@ -34,7 +34,7 @@ print(json.dumps({{"llama_cpp": "llama_cpp" in sys.modules, "ids": [p.id for p i
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["ids"] == ["HumanEval/2", "chat:long-story.txt"]
+    assert got["ids"] == ["HumanEval/4", "chat:long-story.txt"]  # studies/findings-ci.toml
     assert got["llama_cpp"] is False
 
 
