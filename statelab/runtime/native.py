@@ -30,8 +30,8 @@ class Backend:
 
 _GPU = dict(arms=("A", "B", "C"), tasks=("HumanEval/10", "HumanEval/20", "HumanEval/86"),
             matrix_tasks=("HumanEval/10", "HumanEval/86"))
-# CPU (the pinned x86-64-v3 build, native/build.py): batched prefill is bitwise equal for A, B and C,
-# only token by token (R) differs; HumanEval/17 (167 tokens) and /13 (72) have A/R natural endpoints
+# CPU (the pinned x86-64-v3 build, native/build.py): batched prefill is bitwise equal for A, B and C
+# unless a micro-batch holds one row, token by token (R) differs; HumanEval/17 (167 tokens) and /13 (72) have A/R natural endpoints
 # that differ within 48 outputs (at 6 and 20), /4 at 6 (benchmarks/arm_divergence.py)
 BACKEND = {b.name: b for b in (
     Backend("cpu", None, ("A", "R"), ("HumanEval/4", "HumanEval/13", "HumanEval/17"), ("HumanEval/17", "HumanEval/13")),
