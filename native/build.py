@@ -137,25 +137,26 @@ def compiler_id(backend: str) -> str:
     return " | ".join(parts)
 
 
-def host_cpu_flags() -> set[str] | None:
+def _cpuinfo_flags_line() -> str | None:
+    """The first ``flags`` line of /proc/cpuinfo (None where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return line
     except OSError:
         pass
     return None
 
 
+def host_cpu_flags() -> set[str] | None:
+    line = _cpuinfo_flags_line()
+    return None if line is None else set(line.split(":", 1)[1].split())
+
+
 def cpu_signature() -> str:
     """The CPU feature flags (a build with --cmake-arg=-DGGML_NATIVE=ON targets this machine's ISA)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return hashlib.sha256(line.encode()).hexdigest()[:16]
-    except OSError:
-        pass
-    return platform.machine()
+    line = _cpuinfo_flags_line()
+    return platform.machine() if line is None else hashlib.sha256(line.encode()).hexdigest()[:16]
 
 
 def _store(src: Path, dst: Path) -> None:
