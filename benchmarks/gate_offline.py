@@ -16,7 +16,7 @@ gate's update.  Pricing: a call of r rows costs ``same[r-1]`` after a call of r 
 ``change[r-1]`` after any other (the first call follows the prefill: a change), plus
 ``host`` per cycle; R costs ``same[0] + r_host`` per token.  R/C per prompt, the geometric
 mean over each group's prompts (code, prose) and over all (the campaign's estimator with
-one session).  Arms: the gate as the Gate class has it, and no gate (every proposal).
+one session).  Arms: each gate of GATES (statelab/speculative/drafters.py), and no gate (every proposal).
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ from statelab import prompts
 from statelab.errors import ConfigError, script_main
 from statelab.experiments.campaign import CampaignSpec, prompt_tags
 from statelab.runtime import Model
-from statelab.speculative.drafters import Gate, NgramDrafter, VerifyCosts, resolve
-from statelab.speculative.transaction import AdaptiveK, Runner
+from statelab.speculative.drafters import GATES, NgramDrafter, VerifyCosts, make_gate, resolve
+from statelab.speculative.transaction import AdaptiveK, Runner, proposal_length, verify_plan
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class Cycles:
     seconds: float = 0.0
 
 
-def replay(prompt: np.ndarray, out: np.ndarray, drafter: NgramDrafter, kp: AdaptiveK, gate: Gate | None,
+def replay(prompt: np.ndarray, out: np.ndarray, drafter: NgramDrafter, kp: AdaptiveK, gate,
            table: CostTable, rows_fixed: int | None, cap: int) -> Cycles:
     """The cycles of one request when the target's greedy choices are `out` (its first token
     comes from the prefill), decided as Transaction._speculate decides them."""
@@ -94,23 +94,19 @@ def replay(prompt: np.ndarray, out: np.ndarray, drafter: NgramDrafter, kp: Adapt
         gate.start()
         gate.declined = 0
     while n < len(out):  # out ends where the request ends (EOG or the cap)
-        props = drafter.propose(hist[:n0 + n], min(kp.k, cap - n))
-        p = len(props)
-        if gate is not None:
-            p = gate.choose(drafter.key, p, prev, rows_fixed)
-            props = props[:p]
-        rows = p + 1
-        if rows_fixed and (gate is None or p or gate.plain(prev, rows_fixed)[0] > 1):
-            rows = rows_fixed
-        c.seconds += table.call(rows, prev) + table.host
+        full = drafter.propose(hist[:n0 + n], proposal_length(kp, bool(rows_fixed), cap - n))
+        p, rows = verify_plan(gate, drafter.key, full, hist, n0 + n, prev, rows_fixed)
+        props = full[:p]
+        seconds = table.call(rows, prev) + table.host
+        c.seconds += seconds
         c.calls, c.rows, c.changes = c.calls + 1, c.rows + rows, c.changes + (rows != prev)
-        prev = rows
+        before, prev = prev, rows
         want = out[n:n + p]  # a proposal past the request's end counts as rejected there
         agree = props[:len(want)] == want
         m = len(want) if agree.all() else int(np.argmin(agree))
         kp.update(p, m)
         if gate is not None:
-            gate.update(drafter.key, p, m)
+            gate.update(drafter.key, p, m, rows, before, seconds)
         c.proposed, c.accepted = c.proposed + p, c.accepted + m
         n += m + 1
     c.declined = gate.declined if gate is not None else 0
@@ -137,15 +133,14 @@ def references(spec: CampaignSpec, path: str | None) -> list[tuple[str, np.ndarr
     return out
 
 
-def simulate(spec: CampaignSpec, refs, table: CostTable, gated: bool, **gate_args) -> list[tuple[str, Cycles]]:
+def simulate(spec: CampaignSpec, refs, table: CostTable, gate: str | bool) -> list[tuple[str, Cycles]]:
     cfg = spec.spec_config()
     drafter = resolve(spec.draft)
     if not isinstance(drafter, NgramDrafter):
         raise ConfigError(f"the simulation replays the n-gram drafter; the spec's drafter is {spec.draft!r}")
     res = []
     for key, prompt, out in refs:
-        gate = Gate(table.verify_costs(), **gate_args) if gated else None
-        c = replay(prompt, out, drafter, AdaptiveK(cfg.k, cfg.k_max), gate, table,
+        c = replay(prompt, out, drafter, AdaptiveK(cfg.k, cfg.k_max), make_gate(gate, table.verify_costs()), table,
                    cfg.rows if cfg.fixed_rows else None, cfg.cap)
         drafter.remember(out)  # the session's next request sees this output (session drafters only)
         res.append((key, c))
@@ -187,7 +182,7 @@ def main():
     table = CostTable.load(a.costs, a.host, a.r_host)
     refs = references(spec, a.refs)
     tags = prompt_tags(spec)
-    arms = {"gate": simulate(spec, refs, table, True), "off": simulate(spec, refs, table, False)}
+    arms = {**{name: simulate(spec, refs, table, name) for name in GATES}, "off": simulate(spec, refs, table, False)}
     sums = {name: summary(refs, res, table, tags) for name, res in arms.items()}
     groups = sorted(next(iter(sums.values()))["groups"])
     print(f"{len(refs)} prompts of {a.spec} ({spec.draft}, k {spec.k}..{spec.k_max or spec.k}, "

@@ -129,35 +129,114 @@ def test_session_matches_a_brute_force_search():
 
 # -- the gate ---------------------------------------------------------------------------------
 
+P3 = np.arange(3, dtype=np.int32)  # a proposal of three tokens (the gain gate reads only its length)
+H = np.zeros(0, dtype=np.int32)  # a history the gain gate does not read
+
 def test_gate_declines_when_rows_cost_more_than_they_can_save():
     dear = VerifyCosts(same=(1.0, 50.0, 50.0, 50.0), change=(1.0, 50.0, 50.0, 50.0))
     g = Gate(dear)
-    assert g.choose(("request", 3), 3, 1, None) == 0 and g.declined == 1
-    assert g.choose(("request", 3), 3, 4, 4) == 0  # fixed rows: the padded verify is no cheaper either
+    assert g.choose(("request", 3), P3, H, 0, 1, None) == 0 and g.declined == 1
+    assert g.choose(("request", 3), P3, H, 0, 4, 4) == 0  # fixed rows: the padded verify is no cheaper either
 
 
 def test_gate_submits_when_rows_are_cheap_and_follows_acceptance():
     cheap = VerifyCosts(same=(1.0, 1.1, 1.2, 1.3), change=(1.5, 1.6, 1.7, 1.8))
     g = Gate(cheap)
-    assert g.choose("k", 3, 1, None) == 3  # rows follow p: the best length is all three
+    assert g.choose("k", P3, H, 0, 1, None) == 3  # rows follow p: the best length is all three
     assert g.acceptance("new") == 0.75  # optimistic: a kind of match never tried is tried
     for _ in range(30):  # a kind of match that is always rejected loses its proposals
         g.update("bad", 3, 0)
-    assert g.choose("bad", 3, 1, None) == 0
+    assert g.choose("bad", P3, H, 0, 1, None) == 0
     for _ in range(30):
         g.update("good", 3, 3)
-    assert g.acceptance("good") > 0.95 and g.choose("good", 3, 1, None) == 3
+    assert g.acceptance("good") > 0.95 and g.choose("good", P3, H, 0, 1, None) == 3
     # a shape change dearer than the rows: staying at 4 rows beats a 1-row call even for a poor proposal ...
     sticky = Gate(VerifyCosts(same=(1.0, 1.1, 1.2, 1.3), change=(4.0, 4.0, 4.0, 4.0)), stats=dict(g.stats))
-    assert sticky.choose("bad", 3, 4, None) == 3
+    assert sticky.choose("bad", P3, H, 0, 4, None) == 3
     # ... but not for ever: when 4 rows cost far more than one, the gate leaves them (the change paid once)
     leave = Gate(VerifyCosts(same=(1.0, 2.0, 2.5, 3.0), change=(4.0, 4.0, 4.0, 4.0)), stats=dict(g.stats))
-    assert leave.choose("bad", 3, 4, 4) == 0 and leave.plain(4, 4) == (1, 1.75)
-    assert leave.choose("good", 3, 4, 4) == 3
+    assert leave.choose("bad", P3, H, 0, 4, 4) == 0 and leave.plain(4, 4) == (1, 1.75)
+    assert leave.choose("good", P3, H, 0, 4, 4) == 3
     # fixed rows, previous call 4 rows: no proposal keeps the padded 4-row call when that is cheaper
     assert sticky.plain(4, 4) == (4, 1.3) and sticky.plain(1, 4) == (1, 1.0) and g.plain(1, 4) == (1, 1.0)
     g.start()
     assert g.stats == {}
+
+
+def _shadow_request(out: np.ndarray, good_from: int, gate, rows_fixed: int = 8):
+    """A request whose drafter proposes the next 7 tokens of ``out`` from position ``good_from``
+    on and 7 wrong ones before it, decided by verify_plan as the transaction decides; (cycles,
+    regime per cycle, seconds) with the gate's calibrated costs as each call's time."""
+    from statelab.speculative.transaction import verify_plan
+
+    L, prev, regimes, seconds = 1, 0, [], 0.0
+    while L < len(out):
+        props = out[L:L + 7] + (0 if L >= good_from else 1)
+        p, rows = verify_plan(gate, "k", props, out, L, prev, rows_fixed)
+        want = out[L:L + p]
+        agree = props[:len(want)] == want
+        m = len(want) if agree.all() else int(np.argmin(agree))
+        s = gate.costs.same[rows - 1] if rows == prev else gate.costs.change[rows - 1]
+        regimes.append(gate.drafting)
+        gate.update("k", p, m, rows, prev, s)
+        seconds += s
+        prev, L = rows, L + m + 1
+    return regimes, seconds
+
+
+def test_shadow_gate_leaves_drafting_that_loses_and_returns_when_the_shadow_says_it_pays():
+    from statelab.speculative.drafters import ShadowGate
+
+    costs = VerifyCosts(same=(1.0,) + (2.0,) * 7, change=(4.0,) * 8)
+    out = np.arange(400, dtype=np.int32)
+    g = ShadowGate(costs)
+    g.start()
+    regimes, seconds = _shadow_request(out, 120, g)
+    changes = [i for i in range(1, len(regimes)) if regimes[i] != regimes[i - 1]]
+    assert regimes[0] and len(changes) == 2, changes  # drafting, plain over the bad part, drafting again
+    assert changes[0] == g.dwell  # it left after its dwell of wrong proposals
+    assert not regimes[changes[0]] and g.drafting and g.declined > 0
+    # better than either regime alone on this request
+    for fixed in (True, False):
+        other = ShadowGate(costs, dwell=10 ** 9, prior=2.0 if fixed else 0.0)
+        other.start()
+        other.drafting = fixed
+        assert seconds < _shadow_request(out, 120, other)[1]
+    # every proposal right from the start: it never leaves drafting and declines nothing
+    g.start()
+    g.declined = 0
+    regimes, _ = _shadow_request(out, 0, g)
+    assert all(regimes) and g.declined == 0
+    # plain cycles are one row; drafting keeps the fixed shape when nothing is proposed
+    assert g.plain(8, 8) == (8, 2.0)
+    g.drafting = False
+    assert g.plain(8, 8) == (1, 1.0)
+
+
+def test_shadow_gate_follows_the_measured_cycle_time():
+    """The regime's cost follows the measured wall time of same-shape cycles (host work included)."""
+    from statelab.speculative.drafters import ShadowGate
+
+    costs = VerifyCosts(same=(1.0,) + (1.2,) * 7, change=(4.0,) * 8)
+    g = ShadowGate(costs)
+    g.start()
+    g.choose("k", P3, H, 0, 0, 8)
+    assert g._cycle_seconds(True) == 1.2
+    for _ in range(40):
+        g.update("k", 3, 0, 8, 8, 5.0)  # what the device took: drafting at 8 rows is dear
+    assert abs(g._cycle_seconds(True) - 5.0) < 0.1 and not g.drafting
+    g.update("k", 3, 0, 8, 1, 99.0)  # a changed shape is not the regime's own cost
+    assert abs(g._cycle_seconds(True) - 5.0) < 0.1
+
+
+def test_gate_kinds_are_one_vocabulary():
+    from statelab.speculative.drafters import GATES, ShadowGate, check_gate, make_gate
+
+    c = VerifyCosts((1.0, 2.0), (3.0, 4.0))
+    assert isinstance(make_gate(True, c), Gate) and isinstance(make_gate("shadow", c), ShadowGate)
+    assert make_gate(False, c) is None and set(GATES) == {"gain", "shadow"}
+    with pytest.raises(ConfigError, match="unknown gate 'fast'"):
+        check_gate("fast")
 
 
 def test_verify_costs_round_trip_and_checks():
@@ -192,6 +271,20 @@ def test_feed_gives_each_block_its_sessions_earlier_outputs_and_costs():
     assert c[(1, "C_QB", 2)]["session_outputs"] == [] and c[(1, "C_QB", 2)]["costs"] is None  # a new session
     assert c[(0, "C_QB", 2)]["costs"] == {"same": [1.0], "change": [1.0]}
     assert "session_outputs" not in c[(0, "R", 2)]
+
+
+def test_plan_hands_the_gate_kind_to_each_drafting_block():
+    from statelab.experiments.campaign import CampaignSpec, gate_words, plan
+
+    spec = CampaignSpec(prompts=["HumanEval/3", "HumanEval/5"], arms=["R", "C_QB"], draft="ngram:1-8", gate="shadow",
+                        sessions=2)
+    spec.validate()
+    jobs = plan(spec, "ngram:1-8")
+    assert sum(bool(j.get("calibrate")) for j in jobs) == 2  # one calibration per session
+    runs = [j for j in jobs if not j.get("calibrate")]
+    assert {j.get("gate") for j in runs if j["arm"] == "C_QB"} == {"shadow"}
+    assert all("gate" not in j for j in runs if j["arm"] == "R")
+    assert gate_words("shadow").endswith("(shadow)") and gate_words(True).endswith("(gain)") and gate_words(False) == ""
 
 
 def test_breakdown_by_group_and_prompt():
@@ -264,11 +357,16 @@ def test_gate_turns_drafting_off_when_verify_is_dear_and_output_stays_r(model, h
     cheap = VerifyCosts(same=(0.001,) * 4, change=(0.001,) * 4)
     off = Runner(model, None, cfg, draft="ngram:1-8", costs={"C_QB": dear})
     on = Runner(model, None, cfg, draft="ngram:1-8", costs={"C_QB": cheap})
-    res = qualify([off.run("R", p), off.run("C_QB", p), on.run("C_QB", p)])
-    assert res[1].qualified and res[2].qualified
+    shadow = Runner(model, None, cfg, draft="ngram:1-8", costs={"C_QB": cheap}, gate="shadow")
+    res = qualify([off.run("R", p), off.run("C_QB", p), on.run("C_QB", p), shadow.run("C_QB", p)])
+    assert res[1].qualified and res[2].qualified and res[3].qualified
     c_off, c_on = res[1].counters, res[2].counters
     assert c_off.proposals == 0 and c_off.declined > 0 and c_off.verify_rows == c_off.verify_calls  # plain 1-row
     assert c_on.proposals > 0 and c_on.declined == 0
+    # the shadow gate starts drafting: its first cycles submit what the drafter proposes
+    assert res[3].counters.proposals > 0 and res[3].endpoint.tokens.tolist() == res[0].endpoint.tokens.tolist()
+    with pytest.raises(ConfigError, match="unknown gate"):
+        Runner(model, None, cfg, draft="ngram:1-8", gate="fastest")
 
 
 @pytest.mark.model

@@ -348,7 +348,8 @@ def test_campaign_resumes_from_its_block_log(tmp_path):
 @pytest.mark.parametrize("field, value, match", [
     ("sessions", "2", "sessions = '2' has the wrong type"), ("draft", 5, "draft = 5 has the wrong type"),
     ("fixed_rows", "false", "fixed_rows = 'false' has the wrong type"), ("k", True, "k = True has the wrong type"),
-    ("draft", "none", "the spec names no drafter")])
+    ("draft", "none", "the spec names no drafter"), ("gate", "fast", "unknown gate 'fast'"),
+    ("gate", 1, "gate = 1 has the wrong type")])
 def test_campaign_spec_values_are_checked(field, value, match):
     spec = CampaignSpec(prompts=["HumanEval/3"], arms=["R", "C_QB"])
     setattr(spec, field, value)

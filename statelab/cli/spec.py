@@ -25,8 +25,11 @@ app.add_typer(spec_app, name="spec")
 DraftOpt = typer.Option("self", "--draft", help="the drafter: 'self' (the target), 'derive:N' (its first N layers), a "
                         "GGUF path, 'ngram[:NMIN-NMAX][+session]' (model-free prompt lookup, default 2-4; +session "
                         "also over a session's earlier outputs), or 'none'")
-GateOpt = typer.Option(False, "--gate/--no-gate", help="measure the verify cost by rows first, then submit a proposal "
-                       "only when its expected gain is positive (otherwise a plain one-row decode)")
+GateOpt = typer.Option(False, "--gate/--no-gate", help="measure the verify cost by rows first, then gate the proposals "
+                       "by it (--gate-kind)")
+GateKindOpt = typer.Option("gain", "--gate-kind", help="gain: submit a proposal only when its expected gain is positive; "
+                           "shadow: draft in runs, judged by what drafting commits (measured in the shadow while not "
+                           "drafting)")
 KMaxOpt = typer.Option(None, "--k-max", help="adaptive k: grown after full acceptance, shrunk after a rejection, "
                        "within [1, K_MAX] (default: k fixed)")
 FixedRowsOpt = typer.Option(False, "--fixed-rows/--exact-rows", help="every verify submits k_max+1 rows (unused ones "
@@ -43,7 +46,7 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
              mask: int = typer.Option(3, help="phase mask 0..15 (1 target prefill, 2 target continuation, 4 draft "
                                               "prefill, 8 draft continuation)"),
              cap: int = CapOpt, model: Optional[Path] = ModelOpt, draft: str = DraftOpt, backend: str = BackendOpt,
-             threads: int = ThreadsOpt, gate: bool = GateOpt,
+             threads: int = ThreadsOpt, gate: bool = GateOpt, gate_kind: str = GateKindOpt,
              warmup: bool = typer.Option(True, help="a short warm-up request of each arm before the timed one "
                                                     "(--no-warmup: one pass; times then include first-use costs)"),
              json_out: Optional[Path] = typer.Option(None, "--json")):
@@ -56,7 +59,7 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
                      fixed_rows=fixed_rows)
     p = prompt_of(prompt, humaneval, prompt_file)
     results, need_draft = run_arms(model, draft, p, names, cfg, refused=lambda a, why: err.print(f"{a}: {why}; not run"),
-                                   gate=gate, warmup=warmup)
+                                   gate=gate and gate_kind, warmup=warmup)
     t = Table(title=f"{p.id} (sha256 {p.sha256[:12]}): k={k}{f'..{k_max}' if k_max else ''}, ubatch "
                     f"{cfg.target_ubatch}, mask {mask}, cap {cap}, {backend}, draft {draft if need_draft else '-'}")
     for col in ("arm", "qualified", "first diff", "seconds", "accepted/proposals", "declined", "tokens/call",

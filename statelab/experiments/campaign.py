@@ -50,7 +50,7 @@ class CampaignSpec:
     draft: str | None = "self"  # a drafter text (speculative.drafters.KINDS), e.g. "ngram:1-8+session"
     k_max: int | None = None  # adaptive k within [1, k_max]
     fixed_rows: bool = False  # every verify submits k_max + 1 rows (one graph shape)
-    gate: bool = False  # propose only when the expected gain is positive (verify costs calibrated per session)
+    gate: bool | str = False  # a proposal gate over verify costs calibrated per session: "gain" (true) or "shadow"
     groups: dict = field(default_factory=dict)  # tag -> prompt specs (default: HumanEval code, chat prose)
     ratios: list[list[str]] = field(default_factory=lambda: [list(r) for r in DEFAULT_RATIOS])
     threshold: float = 1.02
@@ -93,7 +93,7 @@ class CampaignSpec:
 
         types = {"prompts": list, "arms": list, "sessions": int, "repeats": int, "k": int, "ubatch": int, "mask": int,
                  "cap": int, "n_ctx": int, "backend": str, "threads": int, "model": (str, type(None)),
-                 "draft": (str, type(None)), "k_max": (int, type(None)), "fixed_rows": bool, "gate": bool,
+                 "draft": (str, type(None)), "k_max": (int, type(None)), "fixed_rows": bool, "gate": (bool, str),
                  "groups": dict, "ratios": list,
                  "threshold": (int, float), "seed": int, "resamples": int}
         for name, want in types.items():
@@ -119,6 +119,7 @@ class CampaignSpec:
             raise ConfigError("sessions and repeats must be >= 1")
         if drafters.check(self.draft) is None and any(Arm.parse(a).draft for a in self.arms):
             raise ConfigError(f"arms {[a for a in self.arms if Arm.parse(a).draft]} draft, but the spec names no drafter")
+        drafters.check_gate(self.gate)
 
     def spec_config(self) -> SpecConfig:
         return SpecConfig(k=self.k, ubatch=self.ubatch, mask=self.mask, cap=self.cap, n_ctx=self.n_ctx,
@@ -172,7 +173,9 @@ def plan(spec: CampaignSpec, draft: str | None) -> list[dict]:
         for pi, p in enumerate(spec.prompts):
             order = list(spec.arms) if (s + pi) % 2 == 0 else list(reversed(spec.arms))
             for arm in order:
-                add(session=s, prompt=p, arm=arm, draft=draft if Arm.parse(arm).draft else None, prompt_index=pi)
+                extra = {"gate": spec.gate} if spec.gate and Arm.parse(arm).draft else {}
+                add(session=s, prompt=p, arm=arm, draft=draft if Arm.parse(arm).draft else None, prompt_index=pi,
+                    **extra)
     return jobs
 
 
@@ -347,13 +350,20 @@ def costs_markdown(costs: dict[str, dict]) -> list[str]:
     return lines + [""]
 
 
+def gate_words(gate) -> str:
+    """The report header's words for a spec's gate."""
+    if not gate:
+        return ""
+    return f", gated by calibrated verify costs ({'gain' if gate is True else gate})"
+
+
 def report_markdown(spec: CampaignSpec, records: list[dict], rows: list[dict], parts: list[dict] | None = None,
                     costs: dict | None = None) -> str:
     lines = ["# Speculative campaign\n",
              f"k={spec.k}{f' (adaptive, k_max {spec.k_max})' if spec.k_max else ''}, "
              f"target ubatch {spec.spec_config().target_ubatch}, "
              f"{'fixed-shape verify, ' if spec.fixed_rows else ''}phase mask {spec.mask}, cap {spec.cap}, "
-             f"backend {spec.backend}, draft {spec.draft}{', gated by calibrated verify costs' if spec.gate else ''}, "
+             f"backend {spec.backend}, draft {spec.draft}{gate_words(spec.gate)}, "
              f"{spec.sessions} sessions x {spec.repeats} requests per "
              f"block, bootstrap {spec.resamples} resamples, seed {spec.seed}, threshold {spec.threshold}\n",
              "## Qualification against R\n",

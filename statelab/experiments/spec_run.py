@@ -49,7 +49,8 @@ def resolve_draft(target_path, draft: str | None, cache_dir: Path | None = None)
     return None if d is None else d.text
 
 
-def load_runner(model_path, draft: str | None, cfg: SpecConfig, costs: dict | None = None) -> Runner:
+def load_runner(model_path, draft: str | None, cfg: SpecConfig, costs: dict | None = None,
+                gate: str | bool = "gain") -> Runner:
     """The target (and the draft model a model drafter needs) loaded for ``cfg``'s backend."""
     prepare_backend(cfg.backend)
     tm = Model(model_path, backend=cfg.backend)
@@ -57,20 +58,21 @@ def load_runner(model_path, draft: str | None, cfg: SpecConfig, costs: dict | No
     dm = None
     if d is not None and d.needs_model:
         dm = tm if d.path is None else Model(d.path, backend=cfg.backend)
-    return Runner(tm, dm, cfg, vocab_checked=True, draft=d, costs=costs)
+    return Runner(tm, dm, cfg, vocab_checked=True, draft=d, costs=costs, gate=gate)
 
 
 def run_arms(model_path, draft, prompt, names: list[str], cfg: SpecConfig, refused=lambda arm, why: None,
-             gate: bool = False, warmup: bool = True):
+             gate: bool | str = False, warmup: bool = True):
     """Arms on one prompt in this process (``spec run``), R first (every arm is qualified
     against it, so R runs even when not named); an arm the device would not run
     (:func:`~statelab.runtime.admission.device_refusal`) is reported to ``refused(arm, why)``
-    and left out.  With ``gate`` each drafting arm's verify costs are measured first (on
-    ``prompt``) and its proposals gated by them.  ``warmup``: a short request of each arm before
+    and left out.  With ``gate`` (a kind of :data:`~statelab.speculative.drafters.GATES`; True:
+    "gain") each drafting arm's verify costs are measured first (on ``prompt``) and its
+    proposals gated by them.  ``warmup``: a short request of each arm before
     the one timed (without it the times include first-use costs: graph and shader builds).
     Returns (qualified results, whether a drafter was needed)."""
     need_draft = any([Arm.parse(a).draft for a in names])  # a list: every name is checked
-    runner = load_runner(model_path, resolve_draft(model_path, draft) if need_draft else None, cfg)
+    runner = load_runner(model_path, resolve_draft(model_path, draft) if need_draft else None, cfg, gate=gate or "gain")
     names = (["R"] if "R" not in names else []) + list(names)
     kept = []
     for a in names:
@@ -91,7 +93,7 @@ def _worker(job: dict) -> dict:
 
     cfg = SpecConfig(**job["cfg"])
     costs = {job["arm"]: VerifyCosts.from_dict(job["costs"])} if job.get("costs") else None
-    runner = load_runner(job["model"], job["draft"], cfg, costs)
+    runner = load_runner(job["model"], job["draft"], cfg, costs, gate=job.get("gate", True))
     p = prompts.resolve(job["prompt"], job["model"], cfg.backend)
     if job.get("calibrate"):
         return {"records": [], "costs": runner.measure_verify_costs(job["arm"], p).as_dict()}

@@ -375,8 +375,11 @@ class Gate:
                 return fixed_rows, padded
         return 1, one
 
-    def choose(self, key, p: int, prev_rows: int, fixed_rows: int | None) -> int:
-        """How many of p proposals to submit (0: none)."""
+    def choose(self, key, props: np.ndarray, hist: np.ndarray, L: int, prev_rows: int,
+               fixed_rows: int | None) -> int:
+        """How many of the drafter's proposals ``props`` to submit (0: none); ``hist[:L]`` is
+        the committed history (this gate does not read it)."""
+        p = len(props)
         if p < 1:
             return 0
         a = self.acceptance(key)
@@ -395,8 +398,137 @@ class Gate:
             return 0
         return best + 1
 
-    def update(self, key, proposed: int, accepted: int) -> None:
+    def update(self, key, proposed: int, accepted: int, rows: int = 0, prev_rows: int = 0,
+               seconds: float = 0.0) -> None:
+        """After a cycle: ``accepted`` of ``proposed`` kept, in a call of ``rows`` rows after one of
+        ``prev_rows`` that took ``seconds`` of wall time (this gate uses only the counts)."""
         if proposed < 1:
             return
         a, r = self.stats.get(key, (0, 0))
         self.stats[key] = (a + accepted, r + (accepted < proposed))
+
+
+@dataclass
+class ShadowGate:
+    """Draft in runs, and judge each run by what drafting would have committed.
+
+    Two regimes.  *Drafting*: every proposal is submitted (with a fixed verify shape, every
+    call has its rows, so the graph is reused).  *Plain*: one-row decodes, no proposal.  In
+    both the gate keeps one figure, the running mean (half-life ``half_life`` cycles) of the
+    tokens a drafting cycle commits (1 + accepted).  While drafting it is what the target
+    accepted; while plain it is measured in the shadow: the drafter still proposes, the
+    proposal is not submitted, and the following one-row decodes tell how much of it the
+    target would have accepted (a shadow cycle ends where a drafting cycle would have ended,
+    at the first disagreement or at the proposal's end, and the next shadow proposal starts
+    there, as the next drafting cycle would).  So the estimate of a regime never rests on a
+    prior that its own record cannot correct, and it costs one proposal per shadow cycle.
+
+    The regime changes when drafting's tokens per second (mean tokens / a drafting cycle's
+    seconds) and plain's (1 / a plain cycle's seconds) differ by more than ``margin``, at most
+    once in ``dwell`` cycles (each change of verify shape is a graph rebuild).  A cycle's
+    seconds start from the calibration (:class:`VerifyCosts`: the call) and follow the
+    measured wall time of the regime's cycles with the same shape as the call before (the
+    host work of a cycle included).  A request starts drafting with ``prior`` tokens per
+    cycle."""
+    costs: VerifyCosts
+    half_life: float = 8.0
+    margin: float = 0.05
+    dwell: int = 8
+    prior: float = 2.0
+    declined: int = 0
+    drafting: bool = True
+    tokens: float = 2.0
+    since: int = 0
+    shadow: tuple | None = None
+    seconds: dict = field(default_factory=dict)
+    fixed_rows: int | None = None
+
+    def start(self) -> None:
+        self.drafting, self.tokens, self.since, self.shadow = True, float(self.prior), 0, None
+        self.seconds = {}
+
+    def _cycle_seconds(self, drafting: bool) -> float:
+        c = self.costs
+        if not drafting:
+            default = c.same[0]
+        elif self.fixed_rows:
+            default = c.same[min(self.fixed_rows, c.rows) - 1]
+        else:  # rows follow the proposal: most calls change shape
+            default = float(np.mean(c.change[1:] or c.change))
+        return self.seconds.get(drafting, default)
+
+    def _feed(self, tokens: int) -> None:
+        w = 1.0 - 0.5 ** (1.0 / self.half_life)
+        self.tokens += w * (tokens - self.tokens)
+        if self.since < self.dwell:
+            return
+        breakeven = self._cycle_seconds(True) / self._cycle_seconds(False)
+        if self.drafting and self.tokens < breakeven * (1 - self.margin):
+            self.drafting, self.since, self.shadow = False, 0, None
+        elif not self.drafting and self.tokens > breakeven * (1 + self.margin):
+            self.drafting, self.since, self.shadow = True, 0, None
+
+    def _settle_shadow(self, hist: np.ndarray, L: int) -> bool:
+        """Resolve the pending shadow proposal against ``hist[:L]``; False while it is open."""
+        L0, sp = self.shadow
+        n = min(L - L0, len(sp))
+        agree = sp[:n] == hist[L0:L0 + n]
+        if agree.all() and n < len(sp):
+            return False
+        self.shadow = None
+        self._feed(1 + (n if agree.all() else int(np.argmin(agree))))
+        return True
+
+    def choose(self, key, props: np.ndarray, hist: np.ndarray, L: int, prev_rows: int,
+               fixed_rows: int | None) -> int:
+        """Drafting: all of ``props``; plain: none (the proposal becomes the shadow one when no
+        shadow proposal is open).  ``hist[:L]``: the committed history."""
+        self.fixed_rows = fixed_rows
+        if self.shadow is not None and not self._settle_shadow(hist, L):
+            return 0
+        if self.drafting:
+            return len(props)
+        if len(props):
+            self.shadow = (L, np.array(props, copy=True))
+            self.declined += 1
+        else:
+            self._feed(1)  # a drafting cycle without a proposal commits its one token
+        return 0
+
+    def plain(self, prev_rows: int, fixed_rows: int | None) -> tuple[int, float]:
+        """(rows, seconds) of a cycle without proposals: the fixed shape while drafting, one row
+        otherwise."""
+        if self.drafting and fixed_rows and fixed_rows <= self.costs.rows:
+            return fixed_rows, self.costs.same[fixed_rows - 1]
+        return 1, self.costs.same[0]
+
+    def update(self, key, proposed: int, accepted: int, rows: int = 0, prev_rows: int = 0,
+               seconds: float = 0.0) -> None:
+        """After a cycle of ``rows`` rows (after one of ``prev_rows``) that took ``seconds``."""
+        was = self.drafting
+        self.since += 1
+        if seconds > 0 and rows == prev_rows:  # a call that reused the graph: the regime's own cost
+            w = 1.0 - 0.5 ** (1.0 / self.half_life)
+            s = self.seconds.get(was)
+            self.seconds[was] = seconds if s is None else s + w * (seconds - s)
+        if was:
+            self._feed(1 + accepted)
+
+
+GATES = {"gain": Gate, "shadow": ShadowGate}  # the campaign field ``gate`` (true: "gain") and ``spec run --gate``
+
+
+def check_gate(kind) -> str | None:
+    """The name of a gate kind (``"gain"``, ``"shadow"``; True: ``"gain"``; False/None: None), or a one-line refusal."""
+    if kind is False or kind is None:
+        return None
+    name = "gain" if kind is True else kind
+    if not isinstance(name, str) or name not in GATES:
+        raise ConfigError(f"unknown gate {kind!r}; use one of: {', '.join(GATES)} (or true / false)")
+    return name
+
+
+def make_gate(kind, costs: VerifyCosts):
+    """The gate of a kind (:func:`check_gate`) over calibrated costs; None for no gate."""
+    name = check_gate(kind)
+    return None if name is None else GATES[name](costs)

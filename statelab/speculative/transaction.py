@@ -46,6 +46,8 @@ from statelab.runtime.layouts import Layout
 from statelab.speculative.drafters import (
     Drafter,
     Gate,
+    check_gate,
+    make_gate,
     ModelDrafter,
     NgramDrafter,
     VerifyCosts,
@@ -202,6 +204,24 @@ def _graph_counter(ctx):
     return read
 
 
+def verify_plan(gate, key, props: np.ndarray, hist: np.ndarray, L: int, prev_rows: int,
+                rows_fixed: int | None) -> tuple[int, int]:
+    """(proposals submitted, rows of the verify call) of one cycle: the gate's choice (all of
+    ``props`` without a gate), then with a fixed verify shape ``rows_fixed`` rows unless the
+    gate's cycle without proposals is a one-row decode.  ``hist[:L]``: the committed history."""
+    p = len(props) if gate is None else gate.choose(key, props, hist, L, prev_rows, rows_fixed)
+    if rows_fixed and (gate is None or p or gate.plain(prev_rows, rows_fixed)[0] > 1):
+        return p, rows_fixed
+    return p, p + 1
+
+
+def proposal_length(kp: AdaptiveK, fixed_rows: bool, left: int) -> int:
+    """How many tokens to ask the drafter for: k, or k_max with a fixed verify shape (the call
+    has k_max + 1 rows whatever is proposed, so a shorter proposal saves nothing), at most
+    ``left`` (what the cap leaves)."""
+    return min(kp.k_max if fixed_rows else kp.k, left)
+
+
 def _micrographs(rows: int, ubatch: int) -> int:
     return -(-rows // ubatch)
 
@@ -343,20 +363,16 @@ class Transaction:
                 break
             n_past = L - 1
             t0 = time.perf_counter()
-            props = full = self.drafter.propose(hist[:L], min(kp.k, cap - n_out))
-            p = len(props)
-            if gate is not None:  # submit only what is expected to pay for its rows
-                p = gate.choose(self.drafter.key, p, prev_rows, rows_fixed if self.fixed_rows else None)
-                props = props[:p]
+            full = self.drafter.propose(hist[:L], proposal_length(kp, self.fixed_rows, cap - n_out))
+            key = self.drafter.key
+            p, rows = verify_plan(gate, key, full, hist, L, prev_rows, rows_fixed if self.fixed_rows else None)
+            props = full[:p]
             t1 = time.perf_counter()
             c.t_draft += t1 - t0
             verify[0] = hist[L - 1]
             verify[1:p + 1] = props
-            rows = p + 1
-            if self.fixed_rows and (gate is None or p or gate.plain(prev_rows, rows_fixed)[0] > 1):
-                verify[rows:] = verify[rows - 1]
-                rows = rows_fixed
-            prev_rows = rows
+            verify[p + 1:rows] = verify[p]  # padding rows repeat the last token
+            before, prev_rows = prev_rows, rows
             choices = self._verify(verify[:rows], n_past, p + 1)
             t2 = time.perf_counter()
             agree = props == choices[:p]
@@ -366,16 +382,17 @@ class Transaction:
             c.cycles += 1
             c.verify_calls += 1
             kp.update(p, m)
-            if gate is not None:
-                gate.update(self.drafter.key, p, m)
-                c.declined = gate.declined
             # the target's KV holds pending + props[:m] (+ rejected and padding rows): drop the rest
             if rows > m + 1:
                 remove_after(self.t, n_past + m + 1)
             if m < p:
                 c.rollbacks += 1
             self.drafter.settle(n_past, full, m)  # all it proposed: a model drafter decoded them
-            c.t_rollback += time.perf_counter() - t2
+            t3 = time.perf_counter()
+            c.t_rollback += t3 - t2
+            if gate is not None:
+                gate.update(key, p, m, rows, before, t3 - t0)
+                c.declined = gate.declined
             new = np.append(props[:m], choices[m]).astype(np.int32)
             eog = np.flatnonzero([model.is_eog(int(t)) for t in new]) if len(new) > 1 else ()
             keep = min(len(new), cap - n_out, int(eog[0]) + 1 if len(eog) else len(new))
@@ -467,12 +484,14 @@ class Runner:
 
     draft: a model-free drafter (its text, e.g. ``ngram:1-8+session``, or a :class:`Drafter`)
     or None; a draft model is given as draft_model instead.  costs: arm -> the verify costs
-    (:class:`VerifyCosts`) its gate uses; an arm without costs submits every proposal.  The
+    (:class:`VerifyCosts`) its gate (of kind ``gate``: :data:`~statelab.speculative.drafters.GATES`)
+    uses; an arm without costs submits every proposal.  The
     drafter is one object for every request of this runner: a session drafter keeps the
     outputs it is told to remember (``run(..., learn=True)``)."""
 
     def __init__(self, target_model, draft_model=None, cfg: SpecConfig | None = None, vocab_checked: bool = False,
-                 draft: str | Drafter | None = None, costs: dict[str, VerifyCosts] | None = None):
+                 draft: str | Drafter | None = None, costs: dict[str, VerifyCosts] | None = None,
+                 gate: str | bool = "gain"):
         """vocab_checked: the caller already ran check_draft_paths on these files (before loading)."""
         self.tm, self.dm, self.cfg = target_model, draft_model, cfg or SpecConfig()
         self.drafter = resolve(draft, target_model) if isinstance(draft, str) else draft
@@ -481,6 +500,8 @@ class Runner:
         if self.drafter is None and draft_model is not None:
             self.drafter = ModelDrafter(getattr(draft_model, "path", None))
         self.costs = dict(costs or {})
+        self.gate = gate
+        check_gate(gate)  # an unknown kind is refused before any request
         if draft_model is not None and draft_model is not target_model and not vocab_checked:
             check_draft(target_model, draft_model)
 
@@ -519,7 +540,7 @@ class Runner:
 
     def transaction(self, arm: Arm, t, d) -> Transaction:
         c = self.cfg
-        gate = Gate(self.costs[arm.name]) if arm.draft and arm.name in self.costs else None
+        gate = make_gate(self.gate, self.costs[arm.name]) if arm.draft and arm.name in self.costs else None
         return Transaction(arm, t, d, c.k, c.mask, drafter=self.drafter if arm.draft else None, k_max=c.k_max,
                            fixed_rows=c.fixed_rows, gate=gate)
 
