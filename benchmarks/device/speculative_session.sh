@@ -32,6 +32,10 @@
 #   qbcols             patch 0006 (QB attention products in one launch): benchmarks/qb_columns.py on both models
 #                      (QB / QB one product per query / MQ by rows), audit e1 and the locator ub1 against
 #                      ub4:QB, ub8:QB, ub8:MQ on both models; results in $OUT/qbcols.tgz
+#   panel KIND...      the held-out panel (studies/spec-cuda-panel.toml) once per gate kind named (shadow, gain,
+#                      off), on BACKEND (default cuda; vulkan needs the CUDA+Vulkan build of vulkan_session.sh setup),
+#                      with the verify-cost sweep; SESSIONS=N overrides the spec's; with BUDGET=S a campaign starts
+#                      no new block after S seconds and the next call resumes it; results in $OUT/panel.tgz
 #   wheel-out          the CUDA wheel built here, in parts of 15 MiB under $OUT (a later session carries them
 #                      back as .dev/cudawhl/ instead of building again: see `wheel-in`)
 #   wheel-in           install the wheel carried back in .dev/cudawhl/ (parts joined, sha256 checked)
@@ -49,6 +53,19 @@ case "${1:-}" in
       ${BUDGET:+--budget $BUDGET} ${SESSIONS:+--sessions $SESSIONS} ${K_MAX:+--k-max $K_MAX} \
       2>&1 | tee "$R/speculative.txt" | tail -60
     cp -r "$W/campaign${TAG:-}" "$R/"; tar -czf "$OUT/drafter.tgz" -C "$OUT" drafter
+    ;;
+  panel)
+    R=$OUT/panel; mkdir -p "$R"; BE=${BACKEND:-cuda}; [ "$BE" = vulkan ] && vk_env
+    for g in "${@:2}"; do
+      case $g in off) v=false ;; gain) v=true ;; *) v="\"$g\"" ;; esac
+      spec=studies/spec-$BE-panel-$g.toml   # beside the panel's spec: its chat: paths are relative to it
+      sed -e "s/^gate = true/gate = $v/" -e "s/^backend = \"cuda\"/backend = \"$BE\"/" studies/spec-cuda-panel.toml > "$spec"
+      python3 benchmarks/speculative.py "$spec" --rows --no-write --out "$W/panel-$BE-$g" ${BUDGET:+--budget $BUDGET} \
+        ${SESSIONS:+--sessions $SESSIONS} 2>&1 | tee "$R/$BE-$g.txt" | grep -E "R/C_QB|qualified|tokens/call|^\| C_QB \| [0-9]"
+      st=${PIPESTATUS[0]}; rm -rf "$R/panel-$BE-$g"; cp -r "$W/panel-$BE-$g" "$R/"
+      [ "$st" = 3 ] && break   # unfinished: the next call resumes it
+    done
+    tar -czf "$OUT/panel.tgz" -C "$OUT" panel
     ;;
   weights)
     R=$OUT/weights; mkdir -p "$R"

@@ -426,10 +426,13 @@ class ShadowGate:
     The regime changes when drafting's tokens per second (mean tokens / a drafting cycle's
     seconds) and plain's (1 / a plain cycle's seconds) differ by more than ``margin``, at most
     once in ``dwell`` cycles (each change of verify shape is a graph rebuild).  A cycle's
-    seconds start from the calibration (:class:`VerifyCosts`: the call) and follow the
-    measured wall time of the regime's cycles with the same shape as the call before (the
-    host work of a cycle included).  A request starts drafting with ``prior`` tokens per
-    cycle."""
+    seconds start from the calibration (:class:`VerifyCosts`: the call, measured after two
+    warm-up calls of its shape) and follow the measured wall time of the regime's cycles (the
+    host work of a cycle included) from the third call of a shape on: the first calls after a
+    change pay the graph's rebuild and, on CUDA, the capture of its CUDA graph (ggml-cuda
+    captures on the second call of a stable shape), which the shape change's cost already
+    counts.  A sample counts at most twice the running figure (one stall does not flip the
+    regime).  A request starts drafting with ``prior`` tokens per cycle."""
     costs: VerifyCosts
     half_life: float = 8.0
     margin: float = 0.05
@@ -442,9 +445,12 @@ class ShadowGate:
     shadow: tuple | None = None
     seconds: dict = field(default_factory=dict)
     fixed_rows: int | None = None
+    run: int = 0  # calls in a row with the current shape
+
+    WARM = 3  # the first call of a shape whose time counts (after the rebuild and the CUDA graph capture)
 
     def start(self) -> None:
-        self.drafting, self.tokens, self.since, self.shadow = True, float(self.prior), 0, None
+        self.drafting, self.tokens, self.since, self.shadow, self.run = True, float(self.prior), 0, None, 0
         self.seconds = {}
 
     def _cycle_seconds(self, drafting: bool) -> float:
@@ -507,10 +513,11 @@ class ShadowGate:
         """After a cycle of ``rows`` rows (after one of ``prev_rows``) that took ``seconds``."""
         was = self.drafting
         self.since += 1
-        if seconds > 0 and rows == prev_rows:  # a call that reused the graph: the regime's own cost
+        self.run = self.run + 1 if rows == prev_rows else 1
+        if seconds > 0 and self.run >= self.WARM:  # a warm call of a stable shape: the regime's own cost
             w = 1.0 - 0.5 ** (1.0 / self.half_life)
             s = self.seconds.get(was)
-            self.seconds[was] = seconds if s is None else s + w * (seconds - s)
+            self.seconds[was] = seconds if s is None else s + w * (min(seconds, 2 * s) - s)
         if was:
             self._feed(1 + accepted)
 
