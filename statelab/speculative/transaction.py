@@ -281,7 +281,10 @@ class Transaction:
                 self.c.target_micrographs += rows
                 return choices[:need]
             t0 = time.perf_counter()
-            self.t.decode(tokens, pos0, logits="all")
+            if rows == 1:  # a cycle without proposals: the one-token step of R (no numpy batch, one logits row)
+                self.t.decode([int(tokens[0])], pos0)
+            else:
+                self.t.decode(tokens, pos0, logits="all")
             self.t.synchronize()  # the device's work counts as verify decode, not as sampling
             t_dec = time.perf_counter()  # admission check and layout restore below are bookkeeping (python)
             self.c.target_callers += 1
