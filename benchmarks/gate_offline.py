@@ -35,7 +35,7 @@ from statelab.errors import ConfigError, script_main
 from statelab.experiments.campaign import CampaignSpec, prompt_tags
 from statelab.runtime import Model
 from statelab.speculative.drafters import GATES, NgramDrafter, VerifyCosts, make_gate, resolve
-from statelab.speculative.transaction import AdaptiveK, Runner, proposal_length, verify_plan
+from statelab.speculative.transaction import AdaptiveK, Runner, cycle_proposal, proposal_length, verify_plan
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,8 @@ def replay(prompt: np.ndarray, out: np.ndarray, drafter: NgramDrafter, kp: Adapt
         gate.start()
         gate.declined = 0
     while n < len(out):  # out ends where the request ends (EOG or the cap)
-        full = drafter.propose(hist[:n0 + n], proposal_length(kp, bool(rows_fixed), cap - n))
-        p, rows = verify_plan(gate, drafter.key, full, hist, n0 + n, prev, rows_fixed)
+        full, key = cycle_proposal(drafter, gate, hist, n0 + n, proposal_length(kp, bool(rows_fixed), cap - n))
+        p, rows = verify_plan(gate, key, full, hist, n0 + n, prev, rows_fixed)
         props = full[:p]
         seconds = table.call(rows, prev) + table.host
         c.seconds += seconds
@@ -106,7 +106,7 @@ def replay(prompt: np.ndarray, out: np.ndarray, drafter: NgramDrafter, kp: Adapt
         m = len(want) if agree.all() else int(np.argmin(agree))
         kp.update(p, m)
         if gate is not None:
-            gate.update(drafter.key, p, m, rows, before, seconds)
+            gate.update(key, p, m, rows, before, seconds)
         c.proposed, c.accepted = c.proposed + p, c.accepted + m
         n += m + 1
     c.declined = gate.declined if gate is not None else 0

@@ -213,6 +213,54 @@ def test_shadow_gate_leaves_drafting_that_loses_and_returns_when_the_shadow_says
     assert g.plain(8, 8) == (1, 1.0)
 
 
+def test_shadow_gate_asks_no_proposal_while_its_shadow_one_is_open():
+    """Plain with a shadow proposal still open, the drafter is not asked (its proposal would go
+    unused): the same decisions, cycle for cycle, with fewer proposals; a model drafter (it
+    consumes the pending token by proposing) and the gain gate are asked every cycle."""
+    from statelab.speculative.drafters import Drafter, ShadowGate
+    from statelab.speculative.transaction import cycle_proposal, verify_plan
+
+    class Counting(Drafter):  # the next 7 tokens of out, wrong before position 120
+        calls = 0
+
+        def propose(self, history, k):
+            self.calls += 1
+            L = len(history)
+            return out[L:L + k] + (0 if L >= 120 else 1)
+
+    costs = VerifyCosts(same=(1.0,) + (2.0,) * 7, change=(4.0,) * 8)
+    out = np.arange(400, dtype=np.int32)
+
+    def run(ask_gate: bool):
+        g, d = ShadowGate(costs), Counting()
+        g.start()
+        L, prev, trace = 1, 0, []
+        while L < len(out):
+            props, key = cycle_proposal(d, g, out, L, 7) if ask_gate else (d.propose(out[:L], 7), d.key)
+            p, rows = verify_plan(g, key, props, out, L, prev, 8)
+            want = out[L:L + p]
+            m = p if (props[:p] == want).all() else int(np.argmin(props[:p] == want))
+            trace.append((L, p, rows, g.drafting))
+            g.update(key, p, m, rows, prev, costs.same[rows - 1])
+            prev, L = rows, L + m + 1
+        return trace, d.calls, len(trace)
+
+    (t_ask, n_ask, cycles), (t_all, n_all, _) = run(True), run(False)
+    assert t_ask == t_all and n_all == cycles and n_ask < cycles
+    # a wrong shadow proposal settles on the next decode, so only a right one (from 120 on)
+    # stays open over cycles: those plain cycles asked nothing
+    right_plain = sum(1 for L, p, rows, drafting in t_ask if L >= 120 and not drafting)
+    assert 0 < cycles - n_ask < right_plain
+    model = Counting()
+    model.needs_model = True
+    g = ShadowGate(costs)
+    g.start()
+    g.drafting, g.shadow = False, (1, out[1:8])  # plain, a shadow proposal open (1 of 7 settled)
+    assert not g.wants_proposal(out, 2)
+    assert len(cycle_proposal(model, g, out, 2, 7)[0]) == 7 and model.calls == 1
+    assert Gate(costs).wants_proposal(out, 2)
+
+
 def test_shadow_gate_follows_the_measured_cycle_time():
     """The regime's cost follows the measured wall time of same-shape cycles (host work included)."""
     from statelab.speculative.drafters import ShadowGate

@@ -366,6 +366,10 @@ class Gate:
         a, r = self.stats.get(key, (0, 0))
         return (a + self.prior[0]) / (a + r + self.prior[0] + self.prior[1])
 
+    def wants_proposal(self, hist: np.ndarray, L: int) -> bool:
+        """Whether this cycle needs the drafter's proposal (every cycle: the gain gate weighs each)."""
+        return True
+
     def plain(self, prev_rows: int, fixed_rows: int | None) -> tuple[int, float]:
         """(rows, seconds) of the cheapest cycle without proposals."""
         one = self.costs.cost(1, prev_rows)
@@ -484,6 +488,11 @@ class ShadowGate:
         self.shadow = None
         self._feed(1 + (n if agree.all() else int(np.argmin(agree))))
         return True
+
+    def wants_proposal(self, hist: np.ndarray, L: int) -> bool:
+        """False while plain with a shadow proposal still open against ``hist[:L]`` (it is
+        settled here): nothing would use a new proposal, so the drafter is not asked."""
+        return self.drafting or self.shadow is None or self._settle_shadow(hist, L)
 
     def choose(self, key, props: np.ndarray, hist: np.ndarray, L: int, prev_rows: int,
                fixed_rows: int | None) -> int:

@@ -215,6 +215,16 @@ def verify_plan(gate, key, props: np.ndarray, hist: np.ndarray, L: int, prev_row
     return p, p + 1
 
 
+def cycle_proposal(drafter: Drafter, gate, hist: np.ndarray, L: int, k: int) -> tuple[np.ndarray, object]:
+    """(proposal, its key) of one cycle for ``hist[:L]``: the drafter's ``k`` tokens, or none
+    where the gate needs none this cycle (:meth:`ShadowGate.wants_proposal`: plain, its shadow
+    proposal still open).  A drafter with its own context always proposes: proposing is
+    how it consumes the pending token."""
+    if gate is not None and not drafter.needs_model and not gate.wants_proposal(hist, L):
+        return hist[:0], None
+    return drafter.propose(hist[:L], k), drafter.key
+
+
 def proposal_length(kp: AdaptiveK, fixed_rows: bool, left: int) -> int:
     """How many tokens to ask the drafter for: k, or k_max with a fixed verify shape (the call
     has k_max + 1 rows whatever is proposed, so a shorter proposal saves nothing), at most
@@ -366,8 +376,7 @@ class Transaction:
                 break
             n_past = L - 1
             t0 = time.perf_counter()
-            full = self.drafter.propose(hist[:L], proposal_length(kp, self.fixed_rows, cap - n_out))
-            key = self.drafter.key
+            full, key = cycle_proposal(self.drafter, gate, hist, L, proposal_length(kp, self.fixed_rows, cap - n_out))
             p, rows = verify_plan(gate, key, full, hist, L, prev_rows, rows_fixed if self.fixed_rows else None)
             props = full[:p]
             t1 = time.perf_counter()
