@@ -169,3 +169,29 @@ def test_findings_run_independent_targets_leave_out_the_folded_directions():
     assert Counter(t["direction"] for t in kept) == {"A->B": by["A->B"], "B->A": by["B->A"]}
     assert kept == [t for t in targets if F.independent(run, t["task"], t["direction"])]
     assert len(kept) == F.class_b_count(run) < F.class_b_count(run, folded=True) == len(targets)
+
+
+@pytest.mark.slow
+def test_the_from_scratch_cuda_run_equals_the_kept_one_and_its_time_regenerates(capsys):
+    """docs/findings/cuda/scratch (the whole CUDA study again on a bare H200, 2026-12-04): every
+    cell, independent panel and minimal search equals the kept run's record on every field both
+    hold but where and how long it ran, and where its time went is read from its records."""
+    import importlib.util
+
+    def tool(name):
+        spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / "device" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    kept, scratch = REPO / "docs" / "findings" / "cuda" / "run", REPO / "docs" / "findings" / "cuda" / "scratch"
+    compare = tool("compare_runs")
+    for kind, n in (("cells", 21504), ("panels", 491), ("minimal", 491)):
+        _, n_new, common, differ = compare.compare(kept, scratch, kind)
+        assert (n_new, common, differ) == (n, n, []), kind
+    assert tool("findings_time").main([str(scratch)]) == 0
+    out = capsys.readouterr().out
+    committed = (scratch / "time.txt").read_text()
+    for line in out.splitlines():  # the record-derived lines of the session's printout, digit for digit
+        head = line.split(" (")[0].split(";")[0]
+        assert head in committed, line
