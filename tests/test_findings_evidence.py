@@ -195,3 +195,16 @@ def test_the_from_scratch_cuda_run_equals_the_kept_one_and_its_time_regenerates(
     for line in out.splitlines():  # the record-derived lines of the session's printout, digit for digit
         head = line.split(" (")[0].split(";")[0]
         assert head in committed, line
+
+
+def test_the_vulkan_findings_study_is_the_cuda_one_on_another_backend():
+    """studies/findings-vulkan.toml (issue 27 item 5) asks for the CUDA study's cells exactly:
+    the same prompts, selectors, arms, directions, repeats and cap, only the backend differs."""
+    from statelab.experiments.matrix.spec import load_spec
+
+    cuda, vk = load_spec(REPO / "studies" / "findings-cuda.toml"), load_spec(REPO / "studies" / "findings-vulkan.toml")
+    assert (cuda.backend, vk.backend) == ("cuda", "vulkan") and vk.name == "findings-vulkan"
+    assert len(vk.cell_keys()) == len(cuda.cell_keys()) == 21504
+    na, nb = cuda.normalized(), vk.normalized()
+    assert {k for k in na if na[k] != nb.get(k)} == {"name", "backend"}
+    assert vk.hash != cuda.hash

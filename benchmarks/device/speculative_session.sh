@@ -18,7 +18,9 @@
 #   findings-start     the findings study on CUDA (benchmarks/device/findings_cuda.sh, its environment
 #                      passed on) in the background, from a copy of the repo under $W (later calls
 #                      replace the working tree); it outlives the call while the machine is warm.
-#                      RESUME_FROM=docs/findings/cuda/run continues the last session's run
+#                      RESUME_FROM=docs/findings/cuda/run continues the last session's run;
+#                      SPEC=studies/findings-vulkan.toml runs it on Vulkan (the CUDA + Vulkan build of
+#                      vulkan_session.sh setup; NVIDIA's Vulkan driver through vk_env)
 #   import-bench       benchmarks/state_import.py on CUDA: state import/export with and without patch 0004
 #                      (builds the series up to 0003 too, about 4.5 min); the section in $OUT/state_import.txt
 #   findings-wait S    wait at most S seconds for it, print its progress; once it has ended, its
@@ -78,6 +80,7 @@ case "${1:-}" in
     if [ -n "${RESUME_FROM:-}" ]; then   # an earlier session's run folder (docs/findings/cuda/run)
       rm -rf $W/resume && cp -r "$RESUME_FROM" $W/resume && export RESUME_FROM=$W/resume
     fi
+    vk_env   # a Vulkan spec finds NVIDIA's Vulkan driver (nothing changes for CUDA)
     setsid nohup bash -c "cd $W/repo && PYTHONPATH=/opt/site:$W/repo OUT=$W/fout bash benchmarks/device/findings_cuda.sh \
       > $W/findings.log 2>&1; echo \$? > $W/findings.rc" >/dev/null 2>&1 &
     sleep 2; echo "started: $W/findings.log"
@@ -86,7 +89,7 @@ case "${1:-}" in
     end=$(( $(date +%s) + ${2:-500} ))
     while [ ! -f $W/findings.rc ] && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
     tail -c 1500 $W/findings.log; echo
-    f=$W/runs/findings-cuda/cells.jsonl; [ -f "$f" ] && echo "cells recorded: $(wc -l < "$f")"
+    f=$W/runs/$(basename "${SPEC:-studies/findings-cuda.toml}" .toml)/cells.jsonl; [ -f "$f" ] && echo "cells recorded: $(wc -l < "$f")"
     if [ -f $W/findings.rc ]; then
       echo "ended with status $(cat $W/findings.rc)"; cp $W/findings.log $W/fout/ 2>/dev/null
       tar -czf "$OUT/findings_cuda.tgz" -C $W fout && ls -la "$OUT"
