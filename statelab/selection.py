@@ -406,7 +406,7 @@ class Selection:
 
     @staticmethod
     def _selected_bytes(masks: list[np.ndarray], itemsizes: tuple[int, ...]) -> np.ndarray:
-        return np.array([int(np.count_nonzero(m)) * s for m, s in zip(masks, itemsizes)], dtype=np.int64)
+        return np.array([_count(m) * s for m, s in zip(masks, itemsizes)], dtype=np.int64)
 
     @property
     def k_bytes(self) -> np.ndarray:
@@ -544,6 +544,14 @@ def _layer_map(state: KVState) -> np.ndarray:
 
 def _nothing(shape) -> np.ndarray:
     return np.broadcast_to(np.False_, shape)
+
+
+def _count(mask: np.ndarray) -> int:
+    """Selected elements of a mask; a broadcast one value (an untouched layer's
+    :func:`_nothing`) without visiting every element."""
+    if mask.size and not any(mask.strides):
+        return mask.size if bool(mask.flat[0]) else 0
+    return int(np.count_nonzero(mask))
 
 
 def _own(mask: np.ndarray) -> np.ndarray:

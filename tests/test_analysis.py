@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import xarray as xr
 
 from statelab.analysis.classes import (
@@ -134,6 +136,31 @@ def test_selector_lattice_is_the_covering_dag():
     ])
     assert g.nodes["L0_V"]["n_selected"] == 6 and g.nodes["ALL"]["n_selected"] == 48
     assert g.nodes["PREFIX"]["n_selected"] == 24 and g.graph["equal"] == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 9), st.integers(0, 70), st.data())
+def test_lattice_inclusion_is_the_elementwise_definition(n, size, data):
+    """The packed-column inclusion test equals 'every selected byte of i is selected in j'
+    on masks of runs and of scattered bytes (equal masks, empty ones and sizes not a multiple
+    of 8 included)."""
+    from statelab.analysis.classes import _subsets
+
+    masks = []
+    for _ in range(n):
+        if data.draw(st.booleans()):  # a run, as selectors make
+            a = data.draw(st.integers(0, size))
+            b = data.draw(st.integers(a, size))
+            m = np.zeros(size, bool)
+            m[a:b] = True
+        else:
+            m = np.array(data.draw(st.lists(st.booleans(), min_size=size, max_size=size)), bool)
+        masks.append(m)
+    if data.draw(st.booleans()) and n > 1:
+        masks[-1] = masks[0].copy()
+    want = np.array([[not np.any(x & ~y) for y in masks] for x in masks])
+    packed = np.stack([np.packbits(m) for m in masks])
+    assert (_subsets(packed) == want).all()
 
 
 def test_non_monotone_sufficiency_like_the_paper():

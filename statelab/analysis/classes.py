@@ -186,6 +186,22 @@ def class_matrix_markdown(ds: xr.Dataset, variable: str = "klass", row_dims: tup
 # selector lattice
 
 
+def _subsets(packed: np.ndarray) -> np.ndarray:
+    """subset[i, j]: mask i (row i of the bit-packed masks) is contained in mask j.
+
+    Only the distinct columns of ``packed`` matter (a byte of eight mask bits per mask), and
+    selector masks are runs: the columns are read where any mask changes, deduplicated, and
+    unpacked to bits; i is in j when no bit is set in i and clear in j, counted for all pairs
+    at once by one matrix product (exact in float64: at most 8 x columns per count)."""
+    if packed.shape[1] == 0:
+        return np.ones((len(packed), len(packed)), bool)
+    change = np.flatnonzero(np.any(packed[:, 1:] != packed[:, :-1], axis=0)) + 1
+    cols = np.ascontiguousarray(packed[:, np.concatenate([[0], change])].T)  # one row per column
+    cols = np.unique(cols.view(np.dtype((np.void, cols.shape[1]))).ravel()).view(np.uint8).reshape(-1, len(packed))
+    bits = np.unpackbits(cols, axis=0).astype(np.float64)  # (8 x distinct columns, masks)
+    return (bits.T @ (1.0 - bits)) == 0
+
+
 def selector_lattice(masks: Mapping[Hashable, np.ndarray]) -> nx.DiGraph:
     """Inclusion DAG of selections from their actual flat byte masks.
 
@@ -202,10 +218,8 @@ def selector_lattice(masks: Mapping[Hashable, np.ndarray]) -> nx.DiGraph:
     for n, f in zip(names, flat):
         if f.dtype != np.bool_:
             raise TypeError(f"mask {n!r} must be boolean, got {f.dtype}")
-    packed = np.stack([np.packbits(f) for f in flat]) if flat else np.zeros((0, 0), np.uint8)
     counts = np.array([int(np.count_nonzero(f)) for f in flat])
-    # subset[i, j]: mask i is contained in mask j
-    subset = np.stack([~np.any(packed[i] & ~packed, axis=1) for i in range(len(names))]) if names else np.zeros((0, 0), bool)
+    subset = _subsets(np.stack([np.packbits(f) for f in flat])) if flat else np.zeros((0, 0), bool)
     full = nx.DiGraph()
     for n, c in zip(names, counts):
         full.add_node(n, n_selected=int(c))
