@@ -274,11 +274,11 @@ def pytest_sessionstart(session):
 GOLDEN_RUNS = {  # name -> (kind of tests/golden_outputs.py, more command-line options)
     "ci": ("ci", ()),
     "frontier-ci": ("frontier-ci", ()),
-    "spec-cpu": ("spec-cpu", ()),
+    "spec-ci": ("spec-ci", ()),
     "ci-batch-1": ("ci", ("--executor", "batch", "--lanes", "1")),
     "ci-batch-2": ("ci", ("--executor", "batch", "--lanes", "2")),
 }
-BACKGROUND_GOLDEN = (("spec-cpu",), ("ci", "frontier-ci", "ci-batch-1", "ci-batch-2"))
+BACKGROUND_GOLDEN = (("spec-ci",), ("ci", "frontier-ci", "ci-batch-1", "ci-batch-2"))
 GOLDEN_ROOT_ENV = "STATELAB_TEST_GOLDEN_ROOT"  # set by the session's first process for its workers
 _golden_lock = threading.Lock()
 _golden_procs: dict = {}  # name -> the process this process started for it

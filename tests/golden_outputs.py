@@ -1,7 +1,7 @@
 """Golden outputs of the three CI-sized experiments, normalised, and the script that makes them.
 
 The records and reports of ``studies/ci.toml`` (study), ``studies/frontier-ci.toml``
-(frontier panels) and ``studies/spec-cpu.toml`` (speculative campaign) must not change
+(frontier panels) and ``studies/spec-ci.toml`` (speculative campaign) must not change
 when the experiment machinery is reorganised.  :func:`normalise` reduces an output folder
 to what is deterministic: every JSON / JSON-lines record and manifest without timings,
 process ids, hosts and absolute paths; the NetCDF results as plain data; the Markdown
@@ -14,7 +14,7 @@ commit 040dab2, before the fork server and the engine):
 
     PYTHONPATH=CHECKOUT STATELAB_THREADS=1 python tests/golden_outputs.py [--runs DIR]
 
-writes tests/golden/{ci,frontier-ci,spec-cpu}.json.  ``tests/test_golden.py`` runs the three
+writes tests/golden/{ci,frontier-ci,spec-ci}.json.  ``tests/test_golden.py`` runs the three
 with the current code and compares.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 STUDIES = {  # name -> (cli arguments before --out, spec)
     "ci": ("study", "run", "studies/ci.toml"),
     "frontier-ci": ("frontier", "run", "studies/frontier-ci.toml"),
-    "spec-cpu": ("spec", "campaign", "studies/spec-cpu.toml"),
+    "spec-ci": ("spec", "campaign", "studies/spec-ci.toml"),
 }
 # keys whose values are measured or name a process, a machine, a moment or a location
 VOLATILE = {"timing", "pid", "host", "seconds", "wall_s", "started", "created", "created_at", "time", "t_s",
@@ -144,7 +144,7 @@ def normalise(out: Path, kind: str) -> dict:
     """``{relative path: normalised content}`` of one output folder."""
     out = Path(out)
     paths = _paths(out)
-    times = CAMPAIGN_TIMES if kind == "spec-cpu" else None
+    times = CAMPAIGN_TIMES if kind == "spec-ci" else None
     files = {}
     for f in sorted(out.rglob("*")):
         rel = f.relative_to(out).as_posix()
@@ -156,7 +156,7 @@ def normalise(out: Path, kind: str) -> dict:
             recs = [_json(json.loads(ln), paths, times=times) for ln in f.read_text().splitlines() if ln.strip()]
             files[rel] = sorted(recs, key=lambda r: json.dumps(r, sort_keys=True))
         elif f.suffix == ".md":
-            files[rel] = _markdown(f.read_text(), paths) if kind != "spec-cpu" else _campaign_md(f.read_text(), paths)
+            files[rel] = _markdown(f.read_text(), paths) if kind != "spec-ci" else _campaign_md(f.read_text(), paths)
         elif f.suffix == ".nc":
             files[rel] = _netcdf(f, paths, times)
         else:

@@ -2,8 +2,8 @@
 give the same records and reports (timings, paths, pids and hosts aside) as the golden
 files in tests/golden/, made by ``tests/golden_outputs.py`` from the code before the fork
 server and the experiment engine (commit 040dab2).  Run time in the whole suite on the shared
-2-core machine: ci 36 s, frontier-ci 37 s, spec-cpu 260 s (42 timed blocks run one at a time, on
-one core); the runs start with the session and run beside the other tests, once per session
+2-core machine: ci 36 s, frontier-ci 37 s, spec-ci about 100 s (28 timed blocks run one at a time, on
+one core; spec-cpu's 42 blocks took 260 s); the runs start with the session and run beside the other tests, once per session
 also on several pytest-xdist workers (conftest.py)."""
 import pytest
 
