@@ -2,6 +2,7 @@
 calibration, and what the campaign hands each block (feed, breakdown by group and prompt)."""
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -418,6 +419,24 @@ def test_gate_turns_drafting_off_when_verify_is_dear_and_output_stays_r(model, h
     assert res[3].counters.proposals > 0 and res[3].endpoint.tokens.tolist() == res[0].endpoint.tokens.tolist()
     with pytest.raises(ConfigError, match="unknown gate"):
         Runner(model, None, cfg, draft="ngram:1-8", gate="fastest")
+
+
+@pytest.mark.model
+def test_spec_run_gate_kind_alone_gates_and_an_unknown_kind_is_one_line(tmp_path):
+    """`spec run --gate-kind shadow` gates (it implies --gate) and says which gate in its title;
+    an unknown kind is refused in one line, exit 2, before a model is loaded."""
+    from conftest import run_cli
+
+    _layouts_or_skip()
+    out = tmp_path / "spec.json"
+    r = run_cli("spec", "run", "-H", "HumanEval/155", "--cap", "8", "--arms", "R,C_QB", "--draft", "ngram:1-8",
+                "--fixed-rows", "--gate-kind", "shadow", "--threads", "1", "--no-warmup", "--json", out)
+    assert r.returncode == 0, r.stderr
+    assert "gate shadow" in " ".join(r.stdout.split())
+    c = {x["arm"]: x for x in json.loads(out.read_text())}["C_QB"]
+    assert c["qualified"] is True and c["proposals"] > 0
+    r = run_cli("spec", "run", "-H", "HumanEval/155", "--arms", "R,C_QB", "--draft", "ngram:1-8", "--gate-kind", "fast")
+    assert r.returncode == 2 and "unknown gate 'fast'" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 @pytest.mark.model

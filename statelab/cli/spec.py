@@ -26,10 +26,10 @@ DraftOpt = typer.Option("self", "--draft", help="the drafter: 'self' (the target
                         "GGUF path, 'ngram[:NMIN-NMAX][+session]' (model-free prompt lookup, default 2-4; +session "
                         "also over a session's earlier outputs), or 'none'")
 GateOpt = typer.Option(False, "--gate/--no-gate", help="measure the verify cost by rows first, then gate the proposals "
-                       "by it (--gate-kind)")
-GateKindOpt = typer.Option("gain", "--gate-kind", help="gain: submit a proposal only when its expected gain is positive; "
-                           "shadow: draft in runs, judged by what drafting commits (measured in the shadow while not "
-                           "drafting)")
+                       "by it (--gate-kind; default gain)")
+GateKindOpt = typer.Option(None, "--gate-kind", help="the gate (implies --gate): gain: submit a proposal only when its "
+                           "expected gain is positive; shadow: draft in runs, judged by what drafting commits (measured "
+                           "in the shadow while not drafting)")
 KMaxOpt = typer.Option(None, "--k-max", help="adaptive k: grown after full acceptance, shrunk after a rejection, "
                        "within [1, K_MAX] (default: k fixed)")
 FixedRowsOpt = typer.Option(False, "--fixed-rows/--exact-rows", help="every verify submits k_max+1 rows (unused ones "
@@ -46,22 +46,25 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
              mask: int = typer.Option(3, help="phase mask 0..15 (1 target prefill, 2 target continuation, 4 draft "
                                               "prefill, 8 draft continuation)"),
              cap: int = CapOpt, model: Optional[Path] = ModelOpt, draft: str = DraftOpt, backend: str = BackendOpt,
-             threads: int = ThreadsOpt, gate: bool = GateOpt, gate_kind: str = GateKindOpt,
+             threads: int = ThreadsOpt, gate: bool = GateOpt, gate_kind: Optional[str] = GateKindOpt,
              warmup: bool = typer.Option(True, help="a short warm-up request of each arm before the timed one "
                                                     "(--no-warmup: one pass; times then include first-use costs)"),
              json_out: Optional[Path] = typer.Option(None, "--json")):
     """Run arms on one prompt in this process; qualify each against R; time qualified arms."""
     from statelab.experiments.spec_run import run_arms
+    from statelab.speculative.drafters import check_gate
     from statelab.speculative.transaction import SpecConfig
 
+    gate_name = check_gate(gate_kind or gate)  # an unknown kind is refused before any model loads
     names = [a.strip() for a in arms.split(",") if a.strip()]
     cfg = SpecConfig(k=k, ubatch=ubatch, mask=mask, cap=cap, backend=backend, threads=threads, k_max=k_max,
                      fixed_rows=fixed_rows)
     p = prompt_of(prompt, humaneval, prompt_file)
     results, need_draft = run_arms(model, draft, p, names, cfg, refused=lambda a, why: err.print(f"{a}: {why}; not run"),
-                                   gate=gate and gate_kind, warmup=warmup)
+                                   gate=gate_name or False, warmup=warmup)
     t = Table(title=f"{p.id} (sha256 {p.sha256[:12]}): k={k}{f'..{k_max}' if k_max else ''}, ubatch "
-                    f"{cfg.target_ubatch}, mask {mask}, cap {cap}, {backend}, draft {draft if need_draft else '-'}")
+                    f"{cfg.target_ubatch}, mask {mask}, cap {cap}, {backend}, draft {draft if need_draft else '-'}"
+                    f"{f', gate {gate_name}' if gate_name and need_draft else ''}")
     for col in ("arm", "qualified", "first diff", "seconds", "accepted/proposals", "declined", "tokens/call",
                 "target callers", "micrographs"):
         t.add_column(col)
