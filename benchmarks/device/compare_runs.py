@@ -1,6 +1,7 @@
 """Two runs of one findings study, record for record: the cells, frontier panels and minimal
-searches that both hold, compared on every field both records carry except where and how
-long they ran (pid, host, timing, seconds).  A from-scratch run against the kept one:
+searches that both hold (by key), compared on every field both records carry except where and
+how long they ran and which cell of a process ran a shared cross (pid, host, timing, seconds,
+same_cross_as).  A from-scratch run against the kept one:
 
     python benchmarks/device/compare_runs.py docs/findings/cuda/run NEW_RUN [--timing-copy DEST]
 
@@ -23,30 +24,18 @@ import tempfile
 from pathlib import Path
 
 from statelab.experiments.findings_inputs import jsonl as records  # plain or gzipped JSON lines
+from statelab.experiments.log import first_ok
 
-VOLATILE = {"pid", "host", "timing", "seconds", "same_cross_as"}  # where, how long, which cell of a process ran a shared cross
-KINDS = {  # the records of each kind and the coordinates one record stands for
-    "cells": ("cells.jsonl", ("prompt", "selector", "direction", "repeat")),
-    "panels": ("findings/panels.jsonl", ("task", "selector", "direction", "repeat")),
-    "minimal": ("findings/minimal.jsonl", ("task", "selector", "direction")),
-}
+VOLATILE = {"pid", "host", "timing", "seconds", "same_cross_as"}  # see the module's text
+KINDS = {"cells": "cells.jsonl", "panels": "findings/panels.jsonl", "minimal": "findings/minimal.jsonl"}
 TIMING_FIELDS = ("key", "status", "prompt", "selector", "direction", "repeat", "klass", "length",
                  "endpoint_sha256", "same_cross_as", "pid", "timing")
 
 
-def first_ok(run: Path, kind: str) -> dict[tuple, dict]:
-    """The first successful record per coordinate (a resumed run may hold later repeats of one)."""
-    name, coords = KINDS[kind]
-    out: dict[tuple, dict] = {}
-    for r in records(run / name):
-        if r.get("status") == "ok":
-            out.setdefault(tuple(r.get(c, 0) for c in coords), r)
-    return out
-
-
 def compare(a: Path, b: Path, kind: str) -> tuple[int, int, int, list[str]]:
-    """(records of a, of b, coordinates in both, those that differ: a line each, at most 5)."""
-    ra, rb = first_ok(a, kind), first_ok(b, kind)
+    """(records of a, of b, keys in both, a line for each that differs), the first successful
+    record per key (a resumed run may hold later ones)."""
+    ra, rb = (first_ok(records(run / KINDS[kind])) for run in (a, b))
     common = sorted(set(ra) & set(rb))
     differ = []
     for c in common:
@@ -73,7 +62,7 @@ def timing_copy(run: Path, dest: Path) -> None:
                 slim["timing"] = {k: round(v, 6) for k, v in r.get("timing", {}).items()}
                 out.write((json.dumps(slim, sort_keys=True) + "\n").encode())
         for kind in ("panels", "minimal"):
-            rows = records(run / KINDS[kind][0])
+            rows = records(run / KINDS[kind])
             with gzip.GzipFile(tmp / "findings" / f"{kind}.jsonl.gz", "wb", compresslevel=9, mtime=0) as out:
                 for r in rows:
                     out.write((json.dumps(r, sort_keys=True) + "\n").encode())
@@ -103,7 +92,7 @@ def main(argv=None) -> int:
     bad = 0
     for kind in KINDS:
         na, nb, common, differ = compare(a.kept, a.new, kind)
-        print(f"{kind}: {na} and {nb} records, {common} coordinates in both, {common - len(differ)} equal")
+        print(f"{kind}: {na} and {nb} records, {common} keys in both, {common - len(differ)} equal")
         for line in differ[:5]:
             print("  differs: " + line)
         bad += len(differ)
