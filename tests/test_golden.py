@@ -3,7 +3,7 @@ give the same records and reports (timings, paths, pids and hosts aside) as the 
 files in tests/golden/, made by ``tests/golden_outputs.py`` from the code before the fork
 server and the experiment engine (commit 040dab2; all three again at the x86-64-v3 CPU pin,
 84c3cba, and spec-ci.json when the campaign became studies/spec-ci.toml, 59882d2).  Run
-time on the 2-core machine: ci 36 s and frontier-ci 37 s in the whole suite, spec-ci 124 s alone
+time on the 2-core machine: ci 36 s and frontier-ci 37 s in the whole suite, spec-ci 107 s alone
 (28 timed blocks run one at a time, on one core; spec-cpu's 42 took 289 s alone); the runs start
 with the session and run beside the other tests, once per session also on several pytest-xdist
 workers (conftest.py)."""
