@@ -23,6 +23,9 @@
 #                      vulkan_session.sh setup; NVIDIA's Vulkan driver through vk_env)
 #   import-bench       benchmarks/state_import.py on CUDA: state import/export with and without patch 0004
 #                      (builds the series up to 0003 too, about 4.5 min); the section in $OUT/state_import.txt
+#   findings-partial   the cells recorded so far, while the run goes on, in $OUT/findings_partial.tgz (spec.json,
+#                      controls/, cells.jsonl.gz: a later session's RESUME_FROM; the Vulkan study does not fit one
+#                      session: its build 349 s, at least 4,824 cells in its first 200 s)
 #   findings-wait S    wait at most S seconds for it, print its progress; once it has ended, its
 #                      results in $OUT/findings_cuda.tgz
 #   exact              patch 0005 (row-invariance hint) on CUDA: audit matmul with the hinted column (both
@@ -86,6 +89,8 @@ case "${1:-}" in
     sleep 2; echo "started: $W/findings.log"
     ;;
   findings-wait)
+    # a machine given back (30 s idle) comes back bare: say so at once instead of waiting S seconds
+    [ -f $W/findings.log ] || { echo "findings-wait: no findings run on this machine ($W/findings.log missing: a bare machine, the earlier one was given back?)" >&2; exit 1; }
     end=$(( $(date +%s) + ${2:-500} ))
     while [ ! -f $W/findings.rc ] && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
     tail -c 1500 $W/findings.log; echo
@@ -94,6 +99,14 @@ case "${1:-}" in
       echo "ended with status $(cat $W/findings.rc)"; cp $W/findings.log $W/fout/ 2>/dev/null
       tar -czf "$OUT/findings_cuda.tgz" -C $W fout && ls -la "$OUT"
     fi
+    ;;
+  findings-partial)   # the cells recorded so far (the run goes on): what RESUME_FROM takes in a later session
+    [ -f $W/findings.log ] || { echo "findings-partial: no findings run on this machine" >&2; exit 1; }
+    run=$W/runs/$(basename "${SPEC:-studies/findings-cuda.toml}" .toml); p=$W/partial/run; rm -rf $W/partial; mkdir -p $p
+    cp -r $run/spec.json $run/controls $p/ || exit 1; cp $run/runs.jsonl $p/ 2>/dev/null
+    n=$(wc -l < $run/cells.jsonl); head -n "$n" $run/cells.jsonl | gzip > $p/cells.jsonl.gz   # whole lines only
+    tail -c 600 $W/findings.log; echo; echo "cells kept: $n"
+    tar -czf "$OUT/findings_partial.tgz" -C $W/partial run && ls -la "$OUT"
     ;;
   import-bench)
     python3 benchmarks/state_import.py --backend cuda --tree $W/llama_cpp_python-0.3.36 --no-write 2>&1 \
@@ -149,5 +162,5 @@ PY
     python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site --upgrade "$W/$n" && echo "$W/$n" >> $W/build.log
     echo 0 > $W/build.rc
     ;;
-  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|drafter [SPEC]|weights [audit|qualify|locate|campaign]|findings-start|findings-wait S|import-bench|exact|gemma-panel|qbcols|wheel-out|wheel-in" >&2; exit 2 ;;
+  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|drafter [SPEC]|weights [audit|qualify|locate|campaign]|findings-start|findings-wait S|findings-partial|import-bench|exact|gemma-panel|qbcols|wheel-out|wheel-in" >&2; exit 2 ;;
 esac
