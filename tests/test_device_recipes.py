@@ -1,0 +1,51 @@
+"""The device recipe's findings steps that bring results back (benchmarks/device/speculative_session.sh):
+on a machine given back and started bare, `findings-wait` says so in one line at once instead of
+waiting its S seconds; `findings-partial` brings back the cells recorded so far, whole lines only,
+with the spec and controls that RESUME_FROM takes.  Run on the kept run's fixture (tests/data/upgrade-run)."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "benchmarks" / "device" / "speculative_session.sh"
+KEPT = Path(__file__).resolve().parent / "data" / "upgrade-run"
+
+
+def _recipe(w: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, W=str(w), OUT=str(out), SPEC="studies/findings-vulkan.toml")
+    return subprocess.run(["bash", str(RECIPE), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_findings_wait_on_a_bare_machine_refuses_at_once(tmp_path):
+    t0 = time.monotonic()
+    r = _recipe(tmp_path / "bare", tmp_path / "out", "findings-wait", "300")
+    assert r.returncode == 1 and time.monotonic() - t0 < 30
+    assert r.stderr.strip().count("\n") == 0 and "no findings run on this machine" in r.stderr
+
+
+def test_findings_partial_keeps_whole_cell_lines_for_resume(tmp_path):
+    w, out = tmp_path / "w", tmp_path / "out"
+    run = w / "runs" / "findings-vulkan"
+    shutil.copytree(KEPT / "controls", run / "controls")
+    shutil.copy(KEPT / "spec.json", run / "spec.json")
+    cells = gzip.decompress((KEPT / "cells.jsonl.gz").read_bytes())
+    (run / "cells.jsonl").write_bytes(cells + b'{"kind": "cell", "unfinis')   # a record being written
+    (w / "findings.log").write_text("== study run\n")
+    out.mkdir()
+    r = _recipe(w, out, "findings-partial")
+    assert r.returncode == 0, r.stderr
+    with tarfile.open(out / "findings_partial.tgz") as tar:
+        tar.extractall(tmp_path / "back", filter="data")
+    back = tmp_path / "back" / "run"
+    kept = gzip.decompress((back / "cells.jsonl.gz").read_bytes())
+    assert kept == cells and all(json.loads(line) for line in kept.splitlines())
+    assert f"cells kept: {len(cells.splitlines())}" in r.stdout
+    assert (back / "spec.json").read_bytes() == (KEPT / "spec.json").read_bytes()
+    assert sorted(p.name for p in (back / "controls").iterdir()) == sorted(p.name for p in (KEPT / "controls").iterdir())
