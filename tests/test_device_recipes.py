@@ -1,7 +1,8 @@
 """The device recipe's findings steps that bring results back (benchmarks/device/speculative_session.sh):
 on a machine given back and started bare, `findings-wait` says so in one line at once instead of
 waiting its S seconds; `findings-partial` brings back the cells recorded so far, whole lines only,
-with the spec and controls that RESUME_FROM takes.  Run on the kept run's fixture (tests/data/upgrade-run)."""
+with the spec, controls and finished searches that RESUME_FROM takes (benchmarks/device/pack_run.sh,
+which findings_cuda.sh packs its run with too).  Run on the kept run's fixture (tests/data/upgrade-run)."""
 from __future__ import annotations
 
 import gzip
@@ -37,6 +38,9 @@ def test_findings_partial_keeps_whole_cell_lines_for_resume(tmp_path):
     shutil.copy(KEPT / "spec.json", run / "spec.json")
     cells = gzip.decompress((KEPT / "cells.jsonl.gz").read_bytes())
     (run / "cells.jsonl").write_bytes(cells + b'{"kind": "cell", "unfinis')   # a record being written
+    searches = gzip.decompress((KEPT / "findings" / "minimal.jsonl.gz").read_bytes())
+    (run / "findings").mkdir()
+    (run / "findings" / "minimal.jsonl").write_bytes(searches + b'{"kind": "min')
     (w / "findings.log").write_text("== study run\n")
     out.mkdir()
     r = _recipe(w, out, "findings-partial")
@@ -46,6 +50,8 @@ def test_findings_partial_keeps_whole_cell_lines_for_resume(tmp_path):
     back = tmp_path / "back" / "run"
     kept = gzip.decompress((back / "cells.jsonl.gz").read_bytes())
     assert kept == cells and all(json.loads(line) for line in kept.splitlines())
+    assert gzip.decompress((back / "findings" / "minimal.jsonl.gz").read_bytes()) == searches
+    assert not (back / "findings" / "panels.jsonl.gz").exists()
     assert f"cells kept: {len(cells.splitlines())}" in r.stdout
     assert (back / "spec.json").read_bytes() == (KEPT / "spec.json").read_bytes()
     assert sorted(p.name for p in (back / "controls").iterdir()) == sorted(p.name for p in (KEPT / "controls").iterdir())

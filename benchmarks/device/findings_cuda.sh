@@ -103,9 +103,7 @@ mkdir -p "$OUT/findings"
 T4=$(t)
 cp "$RUN/results.nc" "$RUN/report.md" "$OUT/" 2>/dev/null
 for k in minimal panels; do [ -f "$RUN/findings/$k.jsonl" ] && cp "$RUN/findings/$k.jsonl" "$OUT/findings/"; done
-mkdir -p "$OUT/run/findings" && cp -r "$RUN/spec.json" "$RUN/controls" "$RUN/runs.jsonl" "$OUT/run/" 2>/dev/null
-gzip -c "$RUN/cells.jsonl" > "$OUT/run/cells.jsonl.gz" 2>/dev/null  # what RESUME_FROM takes
-for k in minimal panels; do [ -f "$RUN/findings/$k.jsonl" ] && gzip -c "$RUN/findings/$k.jsonl" > "$OUT/run/findings/$k.jsonl.gz"; done
+bash "$(dirname "$0")/pack_run.sh" "$RUN" "$OUT/run"   # what RESUME_FROM takes
 
 echo "== where the time went"
 "$PY" benchmarks/device/findings_time.py "$RUN" --phases "$T0" "$T1" "$T2" "$T3" "$T4" \

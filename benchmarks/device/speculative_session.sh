@@ -23,9 +23,9 @@
 #                      vulkan_session.sh setup; NVIDIA's Vulkan driver through vk_env)
 #   import-bench       benchmarks/state_import.py on CUDA: state import/export with and without patch 0004
 #                      (builds the series up to 0003 too, about 4.5 min); the section in $OUT/state_import.txt
-#   findings-partial   the cells recorded so far, while the run goes on, in $OUT/findings_partial.tgz (spec.json,
-#                      controls/, cells.jsonl.gz: a later session's RESUME_FROM; the Vulkan study does not fit one
-#                      session: its build 349 s, at least 4,824 cells in its first 200 s)
+#   findings-partial   the records so far, while the run goes on, in $OUT/findings_partial.tgz (pack_run.sh:
+#                      spec.json, controls/, cells, finished panels and searches: a later session's RESUME_FROM;
+#                      the Vulkan study does not fit one session: its build 349 s, >= 4,824 cells in its first 200 s)
 #   findings-wait S    wait at most S seconds for it, print its progress; once it has ended, its
 #                      results in $OUT/findings_cuda.tgz
 #   exact              patch 0005 (row-invariance hint) on CUDA: audit matmul with the hinted column (both
@@ -46,6 +46,12 @@
 #   wheel-in           install the wheel carried back in .dev/cudawhl/ (parts joined, sha256 checked)
 set -uo pipefail
 . "$(dirname "$0")/common.sh"
+# findings_here STEP: the findings run of this machine in $run, or one line and exit 1 on a bare machine
+# (a machine given back after 30 s idle comes back bare: said at once instead of waiting S seconds)
+findings_here() {
+  [ -f $W/findings.log ] || { echo "$1: no findings run on this machine ($W/findings.log missing: a bare machine, the earlier one was given back?)" >&2; exit 1; }
+  run=$W/runs/$(basename "${SPEC:-studies/findings-cuda.toml}" .toml)
+}
 case "${1:-}" in
   setup) dev_setup --backend cuda ;;
   keep) dev_keep "$2" ;;
@@ -89,23 +95,19 @@ case "${1:-}" in
     sleep 2; echo "started: $W/findings.log"
     ;;
   findings-wait)
-    # a machine given back (30 s idle) comes back bare: say so at once instead of waiting S seconds
-    [ -f $W/findings.log ] || { echo "findings-wait: no findings run on this machine ($W/findings.log missing: a bare machine, the earlier one was given back?)" >&2; exit 1; }
+    findings_here "$1"
     end=$(( $(date +%s) + ${2:-500} ))
     while [ ! -f $W/findings.rc ] && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
     tail -c 1500 $W/findings.log; echo
-    f=$W/runs/$(basename "${SPEC:-studies/findings-cuda.toml}" .toml)/cells.jsonl; [ -f "$f" ] && echo "cells recorded: $(wc -l < "$f")"
+    [ -f "$run/cells.jsonl" ] && echo "cells recorded: $(wc -l < "$run/cells.jsonl")"
     if [ -f $W/findings.rc ]; then
       echo "ended with status $(cat $W/findings.rc)"; cp $W/findings.log $W/fout/ 2>/dev/null
       tar -czf "$OUT/findings_cuda.tgz" -C $W fout && ls -la "$OUT"
     fi
     ;;
-  findings-partial)   # the cells recorded so far (the run goes on): what RESUME_FROM takes in a later session
-    [ -f $W/findings.log ] || { echo "findings-partial: no findings run on this machine" >&2; exit 1; }
-    run=$W/runs/$(basename "${SPEC:-studies/findings-cuda.toml}" .toml); p=$W/partial/run; rm -rf $W/partial; mkdir -p $p
-    cp -r $run/spec.json $run/controls $p/ || exit 1; cp $run/runs.jsonl $p/ 2>/dev/null
-    n=$(wc -l < $run/cells.jsonl); head -n "$n" $run/cells.jsonl | gzip > $p/cells.jsonl.gz   # whole lines only
-    tail -c 600 $W/findings.log; echo; echo "cells kept: $n"
+  findings-partial)   # the records so far (the run goes on): what RESUME_FROM takes in a later session
+    findings_here "$1"; rm -rf $W/partial; bash benchmarks/device/pack_run.sh "$run" $W/partial/run || exit 1
+    tail -c 600 $W/findings.log; echo; echo "cells kept: $(gzip -dc $W/partial/run/cells.jsonl.gz | wc -l)"
     tar -czf "$OUT/findings_partial.tgz" -C $W/partial run && ls -la "$OUT"
     ;;
   import-bench)
