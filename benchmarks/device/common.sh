@@ -31,12 +31,13 @@ vk_env() {
   local icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
   if [ -f "$icd" ]; then export VK_DRIVER_FILES=$icd; fi
 }
-# dev_setup_vulkan: unpack both, then dev_setup with one CUDA + Vulkan build.
+# dev_setup_vulkan [cuda|vulkan]: unpack both, then dev_setup with one CUDA + Vulkan build (default), or with
+# Vulkan alone (`vulkan`: no CUDA kernels to compile, for work that runs only on the Vulkan device)
 dev_setup_vulkan() {
   mkdir -p /opt/vk
   for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
   for f in .dev/vkdeb/*.deb; do dpkg -x "$f" /opt/vk; done
-  dev_setup --backend cuda --cmake-arg=-DGGML_VULKAN=ON --cmake-arg=-DVulkan_INCLUDE_DIR=/opt/vk/usr/include \
+  dev_setup --backend "${1:-cuda}" --cmake-arg=-DGGML_VULKAN=ON --cmake-arg=-DVulkan_INCLUDE_DIR=/opt/vk/usr/include \
     --cmake-arg=-DVulkan_LIBRARY=/usr/lib/x86_64-linux-gnu/libvulkan.so.1 \
     --cmake-arg=-DVulkan_GLSLC_EXECUTABLE=/opt/vk/usr/bin/glslc --cmake-arg=-DCMAKE_PREFIX_PATH=/opt/vk/usr
 }

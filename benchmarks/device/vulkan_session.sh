@@ -5,6 +5,8 @@
 #   .gl/          the Vulkan/EGL loaders (device README, "Headless rendering"; unpacked into /)
 # Steps (each one device call, made back to back):
 #   bash benchmarks/device/vulkan_session.sh setup     # unpack, start the CUDA+Vulkan build in the background
+#                                                      # (349 s with 16 jobs); `setup vulkan`: Vulkan alone, for
+#                                                      # the Vulkan findings study (no CUDA kernels to compile)
 #   bash benchmarks/device/vulkan_session.sh part1     # keep the model's first part (carry .dev/m1)
 #   bash benchmarks/device/vulkan_session.sh model     # join it with the second (carry .dev/m2), check sha256
 #   bash benchmarks/device/vulkan_session.sh wait      # wait for the build, doctor on the Vulkan device
@@ -22,7 +24,7 @@ set -uo pipefail
 vk_env
 R=$OUT/vk
 case "${1:-}" in
-  setup) dev_setup_vulkan
+  setup) dev_setup_vulkan "${2:-cuda}"
     ;;
   part1) dev_keep m1 ;;
   model) dev_default_model ;;
