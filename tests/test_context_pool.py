@@ -55,11 +55,12 @@ def test_follow_stops_at_the_first_output_that_leaves(model, a_r):
 
 def test_lanes_share_byte_identical_crosses(tmp_path):
     """Arms A and C form the same state on an 81-token prompt (one ubatch either way), so the
-    cells A->R and C->R cross the same bytes into R: with lanes they run once."""
+    cells A->R and C->R cross the same bytes into R, and every selection of A->C imports C's
+    own state: with lanes each of these crosses runs once."""
     spec = tmp_path / "same.toml"
     spec.write_text('name = "same-cross"\nbackend = "cpu"\nthreads = 1\ncap = 16\nrepeats = 1\n'
                     'prompts = ["HumanEval/2"]\nselectors = ["EMPTY", "ALL", "LATE"]\n'
-                    'directions = ["A->R", "C->R"]\n[arms]\nA = "A"\nC = "C"\nR = "R"\n')
+                    'directions = ["A->R", "C->R", "A->C"]\n[arms]\nA = "A"\nC = "C"\nR = "R"\n')
     runs = {}
     for name, extra in (("lanes", ("--executor", "batch", "--workers", "1", "--lanes", "2")),
                         ("local", ("--executor", "local", "--workers", "2"))):
@@ -67,13 +68,20 @@ def test_lanes_share_byte_identical_crosses(tmp_path):
         assert r.returncode == 0, r.stderr
         runs[name] = {c["key"]: c for c in map(json.loads, (tmp_path / name / "cells.jsonl").read_text().splitlines())}
     lanes, local = runs["lanes"], runs["local"]
-    assert len(lanes) == len(local) == 6
+    assert len(lanes) == len(local) == 9
     shared = [c for c in lanes.values() if c.get("same_cross_as")]
-    assert len(shared) == 3 and len({c["pid"] for c in lanes.values()}) == 1
-    for c in shared:
+    assert len(shared) == 5 and len({c["pid"] for c in lanes.values()}) == 1
+    into_r = [c for c in shared if c["direction"] != "A->C"]
+    assert len(into_r) == 3
+    for c in into_r:  # one selection from the other arm of the same bytes
         first = lanes[c["same_cross_as"]]
         assert first["selector"] == c["selector"] and {first["direction"], c["direction"]} == {"A->R", "C->R"}
         assert c["donor_kv_sha256"] == first["donor_kv_sha256"] and c["timing"]["cross_s"] == 0.0
+    self_cross = [c for c in lanes.values() if c["direction"] == "A->C"]
+    assert {c["donor_kv_sha256"] for c in self_cross} == {self_cross[0]["recipient_kv_sha256"]}
+    ran = [c for c in self_cross if not c.get("same_cross_as")]
+    assert len(ran) == 1 and all(c["same_cross_as"] == ran[0]["key"] for c in self_cross if c is not ran[0])
+    assert {c["klass"] for c in self_cross} == {"D"} and all(c["changed_bytes"] == 0 for c in self_cross)
     assert not any(c.get("same_cross_as") for c in local.values())  # one process per cell: nothing shared
     drop = {"timing", "pid", "same_cross_as"}
     for key, c in local.items():

@@ -627,7 +627,7 @@ def markdown(f: Findings) -> str:
                    f"{int((st == 'withheld').sum())} withheld, {int((st == 'failed').sum())} failed, "
                    f"{int((st == 'pending').sum())} pending; spec {run.spec['spec_hash'][:12]})")
     out.append(f"\nCells whose cross had byte-identical inputs to one already run in the same process (the same "
-               f"selection mask on the same states, logits and recipient configuration) were run once and recorded "
+               f"imported bytes, logits and recipient configuration) were run once and recorded "
                f"under every name: {f.same_cross_cells} cells.\n")
     out.append("## 0. Independent evidence: folded arms\n")
     if f.folds:

@@ -121,14 +121,16 @@ def cross(model, donor: Capture, recipient: Capture, logits_from: str = "recipie
 
 def subset_cross(model, donor: Capture, recipient: Capture, selection, cap: int = DEFAULT_CAP,
                  trace: bool = False, allow_other_backend: bool = False, contexts=None, follow=None,
-                 timing: dict | None = None):
+                 timing: dict | None = None, payload=None):
     """Only the selected bytes come from the donor; the recipient keeps its initial logits.
     ``contexts``, ``follow`` and ``timing`` as in :func:`import_and_continue`; ``timing``
     also gets the seconds of mixing the payload (``mix_s``) and of the byte account
-    (``account_s``)."""
+    (``account_s``).  ``payload``: ``subset_payload(recipient.state, donor.state, selection)``
+    made by the caller (a study cell names its cross by the bytes it imports), else made here."""
     config = check_pair(model, donor, recipient, allow_other_backend)
     t0 = time.perf_counter()
-    blob, mixed = subset_payload(recipient.state, donor.state, selection)  # the one copy of the state it makes
+    # the one copy of the state a cross makes
+    blob, mixed = payload if payload is not None else subset_payload(recipient.state, donor.state, selection)
     t1 = time.perf_counter()
     ep = import_and_continue(model, config, blob, recipient.logits, recipient.n_prompt, check_cap(cap), trace,
                              contexts, follow, timing)

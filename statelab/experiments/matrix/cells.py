@@ -25,7 +25,7 @@ from statelab.experiments.naming import Direction
 from statelab.lab.intervene import check_pair, config_of, subset_cross
 from statelab.lab.receiver import Endpoint
 from statelab.runtime import Model
-from statelab.selection import select
+from statelab.selection import select, subset_payload
 from statelab.experiments.matrix.spec import StudyError, cell_key
 
 
@@ -72,13 +72,15 @@ def failed_record(task: dict, error: str, **extra) -> dict:
             "status": "failed", "error": " ".join(str(error).split())[:2000], **extra}
 
 
-def cross_identity(donor_hashes: dict, recipient: Capture, recipient_hashes: dict, selection, cap: int) -> str:
-    """What a subset cross computes, by content: the donor's and the recipient's KV bytes,
-    the recipient's initial logits and context configuration, the selection's byte mask and
-    the cap.  Two cells with the same identity run the same computation (e.g. B->A and C->A
-    where B and C formed byte-identical states)."""
-    parts = [donor_hashes["kv"], recipient_hashes["kv"], recipient_hashes["logits"],
-             json.dumps(config_of(recipient).as_dict(), sort_keys=True), selection.mask_sha256(), str(int(cap))]
+def cross_identity(blob, recipient: Capture, recipient_hashes: dict, cap: int) -> str:
+    """What a subset cross computes, by content: the state stream it imports (the recipient's
+    bytes with the donor's selected values written in), the recipient's initial logits and
+    context configuration, and the cap.  Two cells with the same identity run the same
+    computation: B->A and C->A where B and C formed byte-identical states, and every selection
+    of a cross whose donor formed the recipient's state byte for byte (each imports the
+    recipient's own state, as EMPTY does), or whose selected values equal the recipient's."""
+    parts = [hashlib.sha256(blob).hexdigest(), recipient_hashes["logits"],
+             json.dumps(config_of(recipient).as_dict(), sort_keys=True), str(int(cap))]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
@@ -113,12 +115,14 @@ def run_cell(task: dict, model=None, cache: CellCache | None = None, contexts=No
     sel = select(selector, recipient.state)
     hashes_d = cached(("hashes", task["donor_capture"]), donor.hashes)
     hashes_r = cached(("hashes", task["recipient_capture"]), recipient.hashes)
-    identity = cross_identity(hashes_d, recipient, hashes_r, sel, task["cap"])
+    payload = subset_payload(recipient.state, donor.state, sel)
+    identity = cross_identity(payload[0], recipient, hashes_r, task["cap"])
     t_ready = time.perf_counter()
     parts: dict = {}  # where the cross's time went (intervene.subset_cross), when it ran here
     (ep, acc, first_key), ran_here = cache.get(
         ("cross", identity), lambda: (*subset_cross(model, donor, recipient, sel, int(task["cap"]), contexts=contexts,
-                                                    timing=parts), task["key"]))
+                                                    timing=parts, payload=payload), task["key"]))
+    del payload
     t_done = time.perf_counter()
     nat_d = Endpoint.from_dict(task["natural_donor"])
     nat_r = Endpoint.from_dict(task["natural_recipient"])
