@@ -208,3 +208,37 @@ def test_the_vulkan_findings_study_is_the_cuda_one_on_another_backend():
     na, nb = cuda.normalized(), vk.normalized()
     assert {k for k in na if na[k] != nb.get(k)} == {"name", "backend"}
     assert vk.hash != cuda.hash
+
+
+def test_vulkan_partial_run_b_and_c_form_a_state_unless_the_last_micro_batch_is_a_matrix_vector_one():
+    """docs/findings/vulkan/partial (the H200's Vulkan device, 2026-12-04, 16,256 of 21,504 cells
+    before the machine was given back): B (128 + rest) and C (ubatch 128) form one state on every
+    prompt, and A's exactly where the rest exceeds ggml-vulkan's 8 matrix-vector columns; every
+    recorded cell of a prompt with one state imports the recipient's own bytes (class D), and the
+    two other prompts have all their cells, each repeat-agreeing."""
+    import gzip
+    import json
+
+    d = REPO / "docs" / "findings" / "vulkan" / "partial"
+    spec = json.loads((d / "spec.json").read_text())["normalized"]
+    controls = [json.loads(x) for x in gzip.open(d / "controls.jsonl.gz")]
+    assert len(controls) == len(spec["prompts"]) == 24 and all(c["passed"] for c in controls)
+    one_state = set()
+    for c in controls:
+        kv = {arm: c["arms"][arm]["kv"] for arm in "ABC"}
+        assert kv["B"] == kv["C"] and c["arms"]["B"]["logits"] == c["arms"]["C"]["logits"], c["prompt"]
+        assert (kv["A"] == kv["B"]) == (c["n_prompt"] - 128 > 8), (c["prompt"], c["n_prompt"])
+        if kv["A"] == kv["B"]:
+            one_state.add(c["prompt"])
+    assert len(one_state) == 22
+    compact = [json.loads(x) for x in gzip.open(d / "cells-compact.jsonl.gz")]
+    full = [json.loads(x) for x in gzip.open(d / "cells-unequal.jsonl.gz")]
+    mine = [c for c in compact if c["key"].split("|")[0] in one_state]
+    assert mine and all(c["klass"] == "D" and c["changed_bytes"] == 0 for c in mine)
+    per_prompt = len(spec["selectors"]) * len(spec["directions"]) * spec["repeats"]
+    assert len(full) == 2 * per_prompt and len(compact) == len(mine) + len(full)
+    classes: dict = {}
+    for r in full:
+        assert r["prompt"] not in one_state and r["status"] == "ok"
+        classes.setdefault((r["prompt"], r["selector"], r["direction"]), set()).add(r["klass"])
+    assert all(len(k) == 1 for k in classes.values())
