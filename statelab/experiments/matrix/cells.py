@@ -122,7 +122,6 @@ def run_cell(task: dict, model=None, cache: CellCache | None = None, contexts=No
     (ep, acc, first_key), ran_here = cache.get(
         ("cross", identity), lambda: (*subset_cross(model, donor, recipient, sel, int(task["cap"]), contexts=contexts,
                                                     timing=parts, payload=payload), task["key"]))
-    del payload
     t_done = time.perf_counter()
     nat_d = Endpoint.from_dict(task["natural_donor"])
     nat_r = Endpoint.from_dict(task["natural_recipient"])
