@@ -25,7 +25,7 @@
 #                      (builds the series up to 0003 too, about 4.5 min); the section in $OUT/state_import.txt
 #   findings-partial   the records so far, while the run goes on, in $OUT/findings_partial.tgz (pack_run.sh:
 #                      spec.json, controls/, cells, finished panels and searches: a later session's RESUME_FROM;
-#                      the Vulkan study does not fit one session: its build 349 s, >= 4,824 cells in its first 200 s)
+#                      the Vulkan study: Vulkan-alone build 97 s, 16,256 cells in 378 s, docs/findings.md)
 #   findings-wait S    wait at most S seconds for it, print its progress; once it has ended, its
 #                      results in $OUT/findings_cuda.tgz
 #   exact              patch 0005 (row-invariance hint) on CUDA: audit matmul with the hinted column (both
