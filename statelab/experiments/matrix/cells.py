@@ -115,14 +115,17 @@ def run_cell(task: dict, model=None, cache: CellCache | None = None, contexts=No
     sel = select(selector, recipient.state)
     hashes_d = cached(("hashes", task["donor_capture"]), donor.hashes)
     hashes_r = cached(("hashes", task["recipient_capture"]), recipient.hashes)
-    payload = subset_payload(recipient.state, donor.state, sel)
-    identity = cross_identity(payload[0], recipient, hashes_r, task["cap"])
     t_ready = time.perf_counter()
+    payload = subset_payload(recipient.state, donor.state, sel)  # what the cross imports, and its name
+    identity = cross_identity(payload[0], recipient, hashes_r, task["cap"])
+    t_mix = time.perf_counter()
     parts: dict = {}  # where the cross's time went (intervene.subset_cross), when it ran here
     (ep, acc, first_key), ran_here = cache.get(
         ("cross", identity), lambda: (*subset_cross(model, donor, recipient, sel, int(task["cap"]), contexts=contexts,
                                                     timing=parts, payload=payload), task["key"]))
     t_done = time.perf_counter()
+    if ran_here:  # the mix (and its hash) was made here, before the cross
+        parts["mix_s"] = t_mix - t_ready
     nat_d = Endpoint.from_dict(task["natural_donor"])
     nat_r = Endpoint.from_dict(task["natural_recipient"])
     rec = {
