@@ -55,3 +55,31 @@ def test_findings_partial_keeps_whole_cell_lines_for_resume(tmp_path):
     assert f"cells kept: {len(cells.splitlines())}" in r.stdout
     assert (back / "spec.json").read_bytes() == (KEPT / "spec.json").read_bytes()
     assert sorted(p.name for p in (back / "controls").iterdir()) == sorted(p.name for p in (KEPT / "controls").iterdir())
+
+
+def test_partial_run_pack_keeps_records_as_recorded_and_summary_counts_them(tmp_path):
+    """benchmarks/device/partial_run.py (docs/findings/vulkan/partial): the two-state prompts' cell
+    lines byte for byte, a compact line for every cell, the same bytes when packed twice; `summary`
+    counts what was packed; a folder that is not a run is one line and exit 2."""
+    import sys
+
+    script = REPO / "benchmarks" / "device" / "partial_run.py"
+
+    def call(*args):
+        return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+
+    for d in ("a", "b"):
+        assert call("pack", KEPT, tmp_path / d).returncode == 0
+    names = ("spec.json", "controls.jsonl.gz", "cells-unequal.jsonl.gz", "cells-compact.jsonl.gz")
+    assert all((tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes() for n in names)
+    lines = gzip.decompress((KEPT / "cells.jsonl.gz").read_bytes())
+    assert gzip.decompress((tmp_path / "a" / "cells-unequal.jsonl.gz").read_bytes()) == lines  # both prompts: two states
+    compact = gzip.decompress((tmp_path / "a" / "cells-compact.jsonl.gz").read_bytes()).splitlines()
+    assert [json.loads(c)["key"] for c in compact] == [json.loads(c)["key"] for c in lines.splitlines()]
+    s = call("summary", tmp_path / "a")
+    assert s.returncode == 0 and f"cells recorded: {len(compact)} of " in s.stdout, s.stderr
+    assert "prompts with one state (every arm pair byte-identical): 0 of 2" in s.stdout
+    for args in (("summary", tmp_path), ("pack", tmp_path, tmp_path / "c")):
+        bad = call(*args)
+        assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1, bad.stderr
