@@ -210,16 +210,18 @@ def test_the_vulkan_findings_study_is_the_cuda_one_on_another_backend():
     assert vk.hash != cuda.hash
 
 
-def test_vulkan_partial_run_b_and_c_form_a_state_unless_the_last_micro_batch_is_a_matrix_vector_one():
+@pytest.mark.parametrize("folder, n_cells", [("partial", 16256), ("full", 21504)])
+def test_vulkan_run_b_and_c_form_a_state_unless_the_last_micro_batch_is_a_matrix_vector_one(folder, n_cells):
     """docs/findings/vulkan/partial (the H200's Vulkan device, 2026-12-04, 16,256 of 21,504 cells
-    before the machine was given back): B (128 + rest) and C (ubatch 128) form one state on every
+    before the machine was given back) and docs/findings/vulkan/full (an H100's Vulkan device,
+    2026-12-05, the whole study in one call, packed the same way): B (128 + rest) and C (ubatch 128) form one state on every
     prompt, and A's exactly where the rest exceeds ggml-vulkan's 8 matrix-vector columns; every
     recorded cell of a prompt with one state imports the recipient's own bytes (class D), and the
     two other prompts have all their cells, each repeat-agreeing."""
     import gzip
     import json
 
-    d = REPO / "docs" / "findings" / "vulkan" / "partial"
+    d = REPO / "docs" / "findings" / "vulkan" / folder
     spec = json.loads((d / "spec.json").read_text())["normalized"]
     controls = [json.loads(x) for x in gzip.open(d / "controls.jsonl.gz")]
     assert len(controls) == len(spec["prompts"]) == 24 and all(c["passed"] for c in controls)
@@ -236,7 +238,7 @@ def test_vulkan_partial_run_b_and_c_form_a_state_unless_the_last_micro_batch_is_
     mine = [c for c in compact if c["key"].split("|")[0] in one_state]
     assert mine and all(c["klass"] == "D" and c["changed_bytes"] == 0 for c in mine)
     per_prompt = len(spec["selectors"]) * len(spec["directions"]) * spec["repeats"]
-    assert len(full) == 2 * per_prompt and len(compact) == len(mine) + len(full)
+    assert len(full) == 2 * per_prompt and len(compact) == len(mine) + len(full) == n_cells
     classes: dict = {}
     for r in full:
         assert r["prompt"] not in one_state and r["status"] == "ok"
