@@ -99,16 +99,25 @@ def summary(d: Path) -> int:
     print(f"independent class-B coordinates: {len(b)}")
     for x in b:
         print(f"  {x}")
-    # decodes with crosses named by their imported bytes: on a two-state prompt the cells that ran
+    # decodes with crosses named by their imported bytes (cells.cross_identity: the imported state,
+    # the recipient's logits and context configuration): on a two-state prompt the cells that ran
     # their own cross, less those that changed no byte (one per prompt, recipient and repeat instead);
-    # on a one-state prompt one per recipient state configuration and repeat
+    # on a one-state prompt one per distinct recipient and repeat
+    by_prompt = {c["prompt"]: c for c in controls}
+
+    def recipient(prompt: str, arm: str) -> tuple:
+        a, cfg = by_prompt[prompt]["arms"][arm], spec["arms"][arm]
+        return a["kv"], a["logits"], cfg["n_batch"], cfg["n_ubatch"]
+
     ran = [r for r in full if not r.get("same_cross_as")]
-    zero = {(r["prompt"], r["recipient"], r["repeat"]) for r in ran if r["changed_bytes"] == 0}
+    zero = {(r["prompt"], recipient(r["prompt"], r["recipient"]), r["repeat"]) for r in ran if r["changed_bytes"] == 0}
     two = len(ran) - sum(r["changed_bytes"] == 0 for r in ran) + len(zero)
-    recipients = {d.split("->")[1] for d in spec["directions"]}
-    one = len(single) * len(recipients) * spec["repeats"]
+    arms = {d.split("->")[1] for d in spec["directions"]}
+    per = [len({recipient(p, a) for a in arms}) for p in sorted(single)]
+    one = sum(per) * spec["repeats"]
     print(f"decodes when crosses are named by their bytes: {two + one} ({two} on two-state prompts, where this "
-          f"run decoded {len(ran)}; {one} on one-state prompts: {len(recipients)} recipients x {spec['repeats']} repeats)")
+          f"run decoded {len(ran)}; {one} on one-state prompts: {sorted(set(per))} distinct recipients of "
+          f"{len(arms)} per prompt x {spec['repeats']} repeats)")
     return 0
 
 
