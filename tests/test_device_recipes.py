@@ -86,3 +86,28 @@ def test_partial_run_pack_keeps_records_as_recorded_and_summary_counts_them(tmp_
     for args in (("summary", tmp_path), ("pack", tmp_path, tmp_path / "c")):
         bad = call(*args)
         assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1, bad.stderr
+
+
+def test_dev_join_takes_the_parts_and_the_hash_from_the_file_kit_writes(tmp_path):
+    """common.sh dev_join OUT SHAFILE: the parts named on SHAFILE's second line (kit.sh's split_model
+    writes it), each from $W where kept or from .dev/ where travelling now, joined in order and
+    checked against the first line; a wrong hash or a file naming no parts fails."""
+    import hashlib
+
+    data = os.urandom(3000)
+    dev, w = tmp_path / ".dev", tmp_path / "w"
+    dev.mkdir(), w.mkdir()
+    for i, name in enumerate(("x0", "x1", "x2")):
+        ((w if i < 2 else dev) / name).write_bytes(data[i * 1000:(i + 1) * 1000])
+    (dev / "x.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}\nx0 x1 x2\n")
+    (dev / "bad.sha256").write_text(f"{'0' * 64}\nx0 x1 x2\n")
+    (dev / "none.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}\n")
+
+    def join(name):
+        script = f'. "{REPO}/benchmarks/device/common.sh"; W="{w}"; dev_join "{tmp_path}/out.{name}" {name}.sha256'
+        return subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    assert join("x").returncode == 0 and (tmp_path / "out.x").read_bytes() == data
+    assert join("bad").returncode != 0
+    none = join("none")
+    assert none.returncode != 0 and "names no parts" in none.stderr

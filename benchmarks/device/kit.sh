@@ -6,8 +6,9 @@
 # What it makes (every call of a recipe carries at most 64 MiB, so large files go in parts):
 #   .dev/src.tar.xz        the pinned sdist unpacked (sha256 checked), without .git, docs/ops and models/*.gguf
 #   .dev/whl/*.whl         wheels for Python 3.12 that the device image lacks (needs pip and the package registry)
-#   .dev/m1 .. m3         the embedded model (SmolLM2-135M-Instruct Q4_1) in three parts, .dev/model.sha256
-#   .dev/g0 .. .dev/g4     Gemma 3 270M Q4_K_M in five parts, .dev/gemma.sha256
+#   .dev/m1 .. m3          the embedded model (SmolLM2-135M-Instruct Q4_1) in three parts, .dev/model.sha256
+#                          (its sha256, then the parts' names)
+#   .dev/g0 .. .dev/g6     Gemma 3 270M Q4_K_M in seven parts, .dev/gemma.sha256 (the same two lines)
 #   .dev/vkdeb/*.deb       glslc, libshaderc1, libvulkan-dev, spirv-headers (the Vulkan build on the device;
 #                          Debian 12 packages through apt-get download, skipped where apt-get is missing)
 #   .gl/*.deb              the Vulkan/EGL loaders the device unpacks into / (its README, "Headless rendering")
@@ -58,11 +59,13 @@ split_model() {  # split_model FILE PREFIX PARTS FIRST_INDEX SHAFILE
   rm -f "$D/.$pre"*
   split -n "$n" -d --numeric-suffixes="$first" -a 1 "$f" "$D/.$pre"
   for i in $(seq "$first" $((first + n - 1))); do mv "$D/.$pre$i" "$D/$pre$i"; done
-  sha256sum "$f" | cut -d' ' -f1 > "$D/.$shaf.tmp" && mv "$D/.$shaf.tmp" "$D/$shaf"
+  # line 1 the sha256, line 2 the parts in order: common.sh's dev_join reads both, so the count lives here alone
+  { sha256sum "$f" | cut -d' ' -f1; seq -f "$pre%g" "$first" $((first + n - 1)) | paste -sd' '; } > "$D/.$shaf.tmp" \
+    && mv "$D/.$shaf.tmp" "$D/$shaf"
 }
 paths=$("$PY" -c 'from statelab.models import default_model_path, gemma3_model_path; print(default_model_path()); print(gemma3_model_path())')
-split_model "$(echo "$paths" | sed -n 1p)" m 3 1 model.sha256   # m1 m2 m3, as common.sh joins them
-split_model "$(echo "$paths" | sed -n 2p)" g 7 0 gemma.sha256   # g0 .. g6 (36 MB each), as speculative_session.sh joins them
+split_model "$(echo "$paths" | sed -n 1p)" m 3 1 model.sha256   # m1 m2 m3
+split_model "$(echo "$paths" | sed -n 2p)" g 7 0 gemma.sha256   # g0 .. g6 (36 MB each)
 
 # Debian packages for the Vulkan recipes (vulkan_session.sh, synth_session.sh vk-*)
 debs() {  # debs FOLDER PACKAGE...: apt-get download into FOLDER, replaced atomically

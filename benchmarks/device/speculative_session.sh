@@ -2,12 +2,12 @@
 # The H200 session for the n-gram drafter campaign (issue 13) and the CUDA side of the
 # row-invariant weight products (issue 12), with one CUDA build of the whole patch series.
 # Run from the repo root on the device machine; what travels is listed in common.sh, plus
-#   .dev/g0 .. .dev/g4 and .dev/gemma.sha256: Gemma 3 270M Q4_K_M (253 MB) in five parts.
+#   .dev/g0 .. .dev/g6 and .dev/gemma.sha256: Gemma 3 270M Q4_K_M (253 MB) in seven parts.
 # Steps (each one device call, made back to back; the machine is given back after 30 s idle):
 #   setup              unpack, start the CUDA build in the background
 #   keep NAME          keep one part (.dev/m1 m2, .dev/g0 .. g5) on the machine
 #   model              join the SmolLM2 parts (m1, m2 kept; m3 travels now)
-#   gemma              join the Gemma parts (g4 travels now)
+#   gemma              join the Gemma parts (g0 .. g5 kept; g6 travels now)
 #   wait               wait for the build, doctor
 #   drafter [SPEC]     benchmarks/speculative.py on SPEC (default studies/spec-cuda-ngram.toml) with the
 #                      verify-cost sweep; results in $OUT/drafter.tgz. With BUDGET=S it starts no new
@@ -56,7 +56,7 @@ case "${1:-}" in
   setup) dev_setup --backend cuda ;;
   keep) dev_keep "$2" ;;
   model) dev_default_model ;;
-  gemma) dev_join $W/gemma.gguf "$(cat .dev/gemma.sha256)" g0 g1 g2 g3 g4 g5 g6 && rm -f $W/g? ;;
+  gemma) dev_join $W/gemma.gguf gemma.sha256 && rm -f $W/g? ;;
   wait) dev_wait && sl doctor --backend cuda | tail -25 ;;
   drafter)
     R=$OUT/drafter; mkdir -p "$R"
