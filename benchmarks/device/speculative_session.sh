@@ -20,7 +20,10 @@
 #                      replace the working tree); it outlives the call while the machine is warm.
 #                      RESUME_FROM=docs/findings/cuda/run continues the last session's run;
 #                      SPEC=studies/findings-vulkan.toml runs it on Vulkan (the CUDA + Vulkan build of
-#                      vulkan_session.sh setup; NVIDIA's Vulkan driver through vk_env)
+#                      vulkan_session.sh setup; NVIDIA's Vulkan driver through vk_env); TAG=x starts a
+#                      second run beside a first (its own repo copy, log, results: pass the same TAG
+#                      and SPEC to findings-wait and findings-partial), e.g. a CPU study on the
+#                      machine's cores while the Vulkan one holds the GPU
 #   import-bench       benchmarks/state_import.py on CUDA: state import/export with and without patch 0004
 #                      (builds the series up to 0003 too, about 4.5 min); the section in $OUT/state_import.txt
 #   findings-partial   the records so far, while the run goes on, in $OUT/findings_partial.tgz (pack_run.sh:
@@ -48,8 +51,9 @@ set -uo pipefail
 . "$(dirname "$0")/common.sh"
 # findings_here STEP: the findings run of this machine in $run, or one line and exit 1 on a bare machine
 # (a machine given back after 30 s idle comes back bare: said at once instead of waiting S seconds)
+T=${TAG:-}   # TAG=x: a second findings run beside the first (its own repo copy, log and results)
 findings_here() {
-  [ -f $W/findings.log ] || { echo "$1: no findings run on this machine ($W/findings.log missing: a bare machine, the earlier one was given back?)" >&2; exit 1; }
+  [ -f $W/findings$T.log ] || { echo "$1: no findings run on this machine ($W/findings$T.log missing: a bare machine, the earlier one was given back?)" >&2; exit 1; }
   run=$W/runs/$(basename "${SPEC:-studies/findings-cuda.toml}" .toml)
 }
 case "${1:-}" in
@@ -84,31 +88,31 @@ case "${1:-}" in
     tar -czf "$OUT/weights_${2:-audit}.tgz" -C "$OUT" weights
     ;;
   findings-start)
-    rm -rf $W/repo $W/findings.rc $W/fout && mkdir -p $W/repo
-    cp -r statelab studies selectors prompts benchmarks $W/repo/
+    rm -rf $W/repo$T $W/findings$T.rc $W/fout$T && mkdir -p $W/repo$T
+    cp -r statelab studies selectors prompts benchmarks $W/repo$T/
     if [ -n "${RESUME_FROM:-}" ]; then   # an earlier session's run folder (docs/findings/cuda/run)
-      rm -rf $W/resume && cp -r "$RESUME_FROM" $W/resume && export RESUME_FROM=$W/resume
+      rm -rf $W/resume$T && cp -r "$RESUME_FROM" $W/resume$T && export RESUME_FROM=$W/resume$T
     fi
     vk_env   # a Vulkan spec finds NVIDIA's Vulkan driver (nothing changes for CUDA)
-    setsid nohup bash -c "cd $W/repo && PYTHONPATH=/opt/site:$W/repo OUT=$W/fout bash benchmarks/device/findings_cuda.sh \
-      > $W/findings.log 2>&1; echo \$? > $W/findings.rc" >/dev/null 2>&1 &
-    sleep 2; echo "started: $W/findings.log"
+    setsid nohup bash -c "cd $W/repo$T && PYTHONPATH=/opt/site:$W/repo$T OUT=$W/fout$T bash benchmarks/device/findings_cuda.sh \
+      > $W/findings$T.log 2>&1; echo \$? > $W/findings$T.rc" >/dev/null 2>&1 &
+    sleep 2; echo "started: $W/findings$T.log"
     ;;
   findings-wait)
     findings_here "$1"
     end=$(( $(date +%s) + ${2:-500} ))
-    while [ ! -f $W/findings.rc ] && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
-    tail -c 1500 $W/findings.log; echo
+    while [ ! -f $W/findings$T.rc ] && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
+    tail -c 1500 $W/findings$T.log; echo
     [ -f "$run/cells.jsonl" ] && echo "cells recorded: $(wc -l < "$run/cells.jsonl")"
-    if [ -f $W/findings.rc ]; then
-      echo "ended with status $(cat $W/findings.rc)"; cp $W/findings.log $W/fout/ 2>/dev/null
-      tar -czf "$OUT/findings_cuda.tgz" -C $W fout && ls -la "$OUT"
+    if [ -f $W/findings$T.rc ]; then
+      echo "ended with status $(cat $W/findings$T.rc)"; cp $W/findings$T.log $W/fout$T/findings.log 2>/dev/null
+      tar -czf "$OUT/findings_cuda$T.tgz" -C $W fout$T && ls -la "$OUT"
     fi
     ;;
   findings-partial)   # the records so far (the run goes on): what RESUME_FROM takes in a later session
-    findings_here "$1"; rm -rf $W/partial; bash benchmarks/device/pack_run.sh "$run" $W/partial/run || exit 1
-    tail -c 600 $W/findings.log; echo; echo "cells kept: $(gzip -dc $W/partial/run/cells.jsonl.gz | wc -l)"
-    tar -czf "$OUT/findings_partial.tgz" -C $W/partial run && ls -la "$OUT"
+    findings_here "$1"; rm -rf $W/partial$T; bash benchmarks/device/pack_run.sh "$run" $W/partial$T/run || exit 1
+    tail -c 600 $W/findings$T.log; echo; echo "cells kept: $(gzip -dc $W/partial$T/run/cells.jsonl.gz | wc -l)"
+    tar -czf "$OUT/findings_partial$T.tgz" -C $W/partial$T run && ls -la "$OUT"
     ;;
   import-bench)
     python3 benchmarks/state_import.py --backend cuda --tree $W/llama_cpp_python-0.3.36 --no-write 2>&1 \
