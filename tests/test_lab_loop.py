@@ -51,12 +51,15 @@ def test_editing_one_k_value_changes_exactly_its_bytes(arms):
     assert set(diff.tolist()) <= {expect, expect + 1} and len(diff) >= 1
 
 
-def test_sham_equals_natural_on_four_prompts(model, base_config, he):
-    for task in ("HumanEval/2", "HumanEval/0", "HumanEval/4", "HumanEval/5"):
+def test_sham_equals_natural_on_four_prompts(model, base_config, he, arms):
+    """Four prompts, A and R: the two of the module's arms (formed once, cap 48) and two more (cap 24)."""
+    runs = {(task, name): (pair, CAP) for task, d in arms.items() for name, pair in d.items()}
+    for task in ("HumanEval/2", "HumanEval/0"):
         for name in ("A", "R"):
-            c, nat = natural(model, he(task), PRESETS[name], base_config, 24)
-            s = sham(model, c, 24)
-            assert s.same(nat), f"sham of {task} [{name}] differs from its natural endpoint"
+            runs[task, name] = (natural(model, he(task), PRESETS[name], base_config, 24), 24)
+    assert len(runs) == 8
+    for (task, name), ((c, nat), cap) in runs.items():
+        assert sham(model, c, cap).same(nat), f"sham of {task} [{name}] differs from its natural endpoint"
 
 
 def test_cross_of_a_capture_into_itself_equals_the_sham(arms, model):
