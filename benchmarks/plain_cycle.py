@@ -18,6 +18,11 @@ prefill).  Variants, per token (median over the continuation, then over ``--roun
   ARM plain cycle    a whole request of the arm whose gate declines every proposal (the
                      calibration says rows are dear): every cycle one row, the loop's own host
                      work included (t_cycle / committed)
+  ARM shadow plain   a whole request under a shadow gate held plain (its drafter asked for the
+                     shadow proposals): ``plain runs`` runs the cycles under an open shadow
+                     proposal as one loop of R's step (Transaction._plain_run), ``general
+                     cycle`` each through the general loop (Transaction.plain_runs False);
+                     ``outside the decode call``: (t_cycle - t_verify) / committed, the host work
 
 Not a device claim on its own: run it on the device whose ratios it explains.
 """
@@ -35,8 +40,8 @@ from statelab.errors import script_main
 from statelab.experiments.campaign import CampaignSpec
 from statelab.experiments.spec_run import load_runner, resolve_draft
 from statelab.runtime import layouts, prepare_backend
-from statelab.speculative.drafters import VerifyCosts
-from statelab.speculative.transaction import Arm, Transaction
+from statelab.speculative.drafters import ShadowGate, VerifyCosts
+from statelab.speculative.transaction import Arm, Counters, Transaction
 
 
 def _forced(ctx, guard, toks: np.ndarray, out: np.ndarray, how: str) -> float:
@@ -73,6 +78,33 @@ def _forced(ctx, guard, toks: np.ndarray, out: np.ndarray, how: str) -> float:
     return statistics.median(tx_t)
 
 
+class HeldPlain(ShadowGate):
+    """A shadow gate that stays plain for the whole request (its dwell never ends)."""
+
+    def start(self) -> None:
+        super().start()
+        self.drafting = False
+
+
+def _shadow_plain(runner, arm: Arm, toks: np.ndarray, cfg, costs: VerifyCosts, plain_runs: bool):
+    """(endpoint tokens, t_cycle / committed) of one request under HeldPlain."""
+    t, d = runner.contexts(arm)
+    Transaction.plain_runs = plain_runs
+    try:
+        tx = Transaction(arm, t, d, cfg.k, cfg.mask, drafter=runner.drafter, k_max=cfg.k_max,
+                         fixed_rows=cfg.fixed_rows, gate=HeldPlain(costs, dwell=10 ** 9))
+        tx.run(toks, min(8, cfg.cap))  # the warm-up request, as Runner.run(warmup=True)
+        tx.c = Counters()
+        ep = tx.run(toks, cfg.cap)
+    finally:
+        Transaction.plain_runs = True
+        t.close()
+        if d is not None:
+            d.close()
+    n = max(tx.c.committed, 1)
+    return ep.tokens, tx.c.t_cycle / n, (tx.c.t_cycle - tx.c.t_verify) / n
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("spec", nargs="?", default="studies/spec-cuda-panel.toml")
@@ -107,6 +139,12 @@ def main() -> int:
             c.counters.t_cycle / max(c.counters.committed, 1))
         res.setdefault(f"{a.arm} plain cycle, verify call only", []).append(
             c.counters.t_verify / max(c.counters.verify_calls, 1))
+        for fast, how in ((True, "plain runs"), (False, "general cycle")):
+            got, per, host = _shadow_plain(runner, arm, toks, cfg, dear, fast)
+            if got.tolist() != out.tolist():
+                raise SystemExit(f"{a.arm} under a shadow gate held plain did not reproduce R on {p.id}")
+            res.setdefault(f"{a.arm} shadow plain, {how} (t_cycle / committed)", []).append(per)
+            res.setdefault(f"{a.arm} shadow plain, {how}, outside the decode call", []).append(host)
         for name, which, how in (("R step", Arm.parse("R"), "step"), (f"{a.arm} ctx, step", arm, "step"),
                                  (f"{a.arm} ctx, batch", arm, "batch"), (f"{a.arm} ctx, no guard", arm, "no guard")):
             t, d = runner.contexts(which)

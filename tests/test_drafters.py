@@ -467,3 +467,52 @@ def test_adaptive_k_reaches_seven_with_fixed_rows():
     assert k.k == 3
     cfg = SpecConfig(k=3, k_max=7, fixed_rows=True)
     assert cfg.rows == 8 and cfg.target_ubatch == 8 and cfg.queries == 8
+
+
+@pytest.mark.model
+def test_plain_cycles_under_an_open_shadow_run_as_r_steps_with_the_same_counts(model, he, monkeypatch):
+    """A shadow gate held plain: its cycles under an open shadow proposal run as one loop of R's
+    step (Transaction._plain_run); the output is R's bit for bit and every count (cycles, calls,
+    rows, proposals, declined) is the general loop's, cycle for cycle."""
+    from statelab.speculative.drafters import ShadowGate
+    from statelab.speculative.transaction import Arm, Runner, SpecConfig, Transaction
+
+    _layouts_or_skip()
+
+    class Plain(ShadowGate):  # plain for the whole request (no dwell ever ends)
+        def start(self):
+            super().start()
+            self.drafting = False
+
+    cfg = SpecConfig(k=3, fixed_rows=True, cap=64, threads=1)
+    runner = Runner(model, None, cfg, draft="ngram:1-8")
+    p = he("HumanEval/57")
+    ref = runner.run("R", p).endpoint.tokens.tolist()
+    costs = VerifyCosts(same=(0.001,) * 4, change=(0.001,) * 4)
+    runs, committed = {}, []
+    real = Transaction._plain_run
+
+    def counted(self, *a):
+        n = real(self, *a)
+        committed.append(n)
+        return n
+
+    monkeypatch.setattr(Transaction, "_plain_run", counted)
+    for fast in (True, False):
+        monkeypatch.setattr(Transaction, "plain_runs", fast)
+        arm = Arm.parse("C_QB")
+        t, d = runner.contexts(arm)
+        try:
+            tx = Transaction(arm, t, d, cfg.k, cfg.mask, drafter=runner.drafter, k_max=cfg.k_max,
+                             fixed_rows=True, gate=Plain(costs, dwell=10 ** 9))
+            ep = tx.run(model.tokenize(p.text), cfg.cap)
+        finally:
+            t.close()
+        runs[fast] = (ep.tokens.tolist(), tx.c.counts(), tx.gate.declined)
+        if fast:
+            fast_calls = list(committed)
+    assert runs[True][0] == runs[False][0] == ref
+    assert runs[True][1] == runs[False][1] and runs[True][2] == runs[False][2] > 0
+    c = runs[True][1]
+    assert c["proposals"] == 0 and c["verify_rows"] == c["verify_calls"] == c["cycles"]  # plain: one row each
+    assert fast_calls and sum(fast_calls) > 0 and len(committed) == len(fast_calls)  # none when switched off

@@ -370,6 +370,10 @@ class Gate:
         """Whether this cycle needs the drafter's proposal (every cycle: the gain gate weighs each)."""
         return True
 
+    def open_shadow(self, hist: np.ndarray, L: int) -> np.ndarray | None:
+        """The tokens a shadow proposal still expects (the gain gate keeps none)."""
+        return None
+
     def plain(self, prev_rows: int, fixed_rows: int | None) -> tuple[int, float]:
         """(rows, seconds) of the cheapest cycle without proposals."""
         one = self.costs.cost(1, prev_rows)
@@ -493,6 +497,20 @@ class ShadowGate:
         """False while plain with a shadow proposal still open against ``hist[:L]`` (it is
         settled here): nothing would use a new proposal, so the drafter is not asked."""
         return self.drafting or self.shadow is None or self._settle_shadow(hist, L)
+
+    def open_shadow(self, hist: np.ndarray, L: int) -> np.ndarray | None:
+        """Plain, with a shadow proposal open that ``hist[:L]`` has agreed with so far: the
+        tokens it still expects (the rest of the proposal); None otherwise.  Until one of them
+        disagrees, every cycle is a one-row decode that asks the drafter nothing, so the
+        transaction runs them as one loop of R's step (:meth:`~statelab.speculative.transaction.
+        Transaction._plain_run`)."""
+        if self.drafting or self.shadow is None:
+            return None
+        L0, sp = self.shadow
+        n = L - L0
+        if n >= len(sp) or not np.array_equal(sp[:n], hist[L0:L]):
+            return None
+        return sp[n:]
 
     def choose(self, key, props: np.ndarray, hist: np.ndarray, L: int, prev_rows: int,
                fixed_rows: int | None) -> int:

@@ -248,6 +248,8 @@ class Transaction:
     removed afterwards): under QB every row is computed independently of the others, so the
     padding changes no committed logit while the graph keeps one shape and is reused."""
 
+    plain_runs = True  # plain cycles under an open shadow proposal as one loop (False: the general cycle each)
+
     def __init__(self, arm: Arm, target_ctx, draft_ctx=None, k: int = 3, mask: int = 3, drafter: Drafter | None = None,
                  k_max: int | None = None, fixed_rows: bool = False, gate: Gate | None = None):
         self.arm, self.t = arm, target_ctx
@@ -327,6 +329,35 @@ class Transaction:
         self.guard.phase["target"] = "continuation"
         return self.t.logits(-1)
 
+    def _plain_run(self, hist: np.ndarray, L: int, expect: np.ndarray, n_max: int, prev_rows: int) -> int:
+        """Plain cycles while the gate's open shadow proposal agrees: R's one-token step per
+        cycle (decode and the greedy choice in place), committed into ``hist`` from ``L`` on,
+        until a token differs from ``expect`` (the proposal's rest; that token is committed
+        and the next cycle settles the shadow), an end-of-generation token, or ``n_max``
+        tokens.  The tokens, calls, rows and counters are those of the general cycle with
+        no proposal; its per-cycle host work (proposal, plan, numpy bookkeeping) is what
+        this saves.  Returns the tokens committed."""
+        model, c, gate = self.t.model, self.c, self.gate
+        tok, pos = int(hist[L - 1]), L - 1
+        n = 0
+        while n < n_max:
+            t0 = time.perf_counter()
+            tok = self._step(tok, pos)
+            dt = time.perf_counter() - t0
+            hist[L + n] = tok
+            n += 1
+            pos += 1
+            c.t_verify += dt
+            gate.update(None, 0, 0, 1, prev_rows, dt)
+            prev_rows = 1
+            if tok != expect[n - 1] or model.is_eog(tok):
+                break
+        c.cycles += n
+        c.verify_calls += n
+        c.verify_rows += n
+        c.committed += n
+        return n
+
     # -- the request --------------------------------------------------------
     def run(self, prompt_tokens: np.ndarray, cap: int) -> Endpoint:
         cap = check_cap(cap)
@@ -366,6 +397,8 @@ class Transaction:
         verify = np.empty(rows_fixed, dtype=np.int32)
         graphs = _graph_counter(self.t)
         gate, prev_rows = self.gate, 0
+        # a model drafter proposes every cycle (proposing consumes the pending token in its context)
+        plain_runs = self.plain_runs and gate is not None and not self.drafter.needs_model
         if gate is not None:
             gate.start()
             gate.declined = 0
@@ -375,6 +408,12 @@ class Transaction:
             if model.is_eog(int(hist[L - 1])) or n_out >= cap:
                 break
             n_past = L - 1
+            expect = gate.open_shadow(hist, L) if plain_runs else None
+            if expect is not None:
+                n = self._plain_run(hist, L, expect, min(len(expect), cap - n_out), prev_rows)
+                L += n
+                prev_rows = 1
+                continue
             t0 = time.perf_counter()
             full, key = cycle_proposal(self.drafter, gate, hist, L, proposal_length(kp, self.fixed_rows, cap - n_out))
             p, rows = verify_plan(gate, key, full, hist, L, prev_rows, rows_fixed if self.fixed_rows else None)
