@@ -78,26 +78,18 @@ def _forced(ctx, guard, toks: np.ndarray, out: np.ndarray, how: str) -> float:
     return statistics.median(tx_t)
 
 
-class HeldPlain(ShadowGate):
-    """A shadow gate that stays plain for the whole request (its dwell never ends)."""
-
-    def start(self) -> None:
-        super().start()
-        self.drafting = False
-
-
 def _shadow_plain(runner, arm: Arm, toks: np.ndarray, cfg, costs: VerifyCosts, plain_runs: bool):
-    """(endpoint tokens, t_cycle / committed) of one request under HeldPlain."""
+    """(endpoint tokens, t_cycle / committed, (t_cycle - t_verify) / committed) of one request
+    under a shadow gate held plain, with Transaction.plain_runs as given."""
     t, d = runner.contexts(arm)
-    Transaction.plain_runs = plain_runs
     try:
         tx = Transaction(arm, t, d, cfg.k, cfg.mask, drafter=runner.drafter, k_max=cfg.k_max,
-                         fixed_rows=cfg.fixed_rows, gate=HeldPlain(costs, dwell=10 ** 9))
+                         fixed_rows=cfg.fixed_rows, gate=ShadowGate(costs, dwell=10 ** 9, start_drafting=False))
+        tx.plain_runs = plain_runs
         tx.run(toks, min(8, cfg.cap))  # the warm-up request, as Runner.run(warmup=True)
         tx.c = Counters()
         ep = tx.run(toks, cfg.cap)
     finally:
-        Transaction.plain_runs = True
         t.close()
         if d is not None:
             d.close()

@@ -495,17 +495,12 @@ def test_adaptive_k_reaches_seven_with_fixed_rows():
 def test_plain_cycles_under_an_open_shadow_run_as_r_steps_with_the_same_counts(model, he, monkeypatch):
     """A shadow gate held plain: its cycles under an open shadow proposal run as one loop of R's
     step (Transaction._plain_run); the output is R's bit for bit and every count (cycles, calls,
-    rows, proposals, declined) is the general loop's, cycle for cycle."""
+    rows, proposals, declined) is the general loop's, cycle for cycle.  ``start_drafting`` False
+    starts the shadow gate plain."""
     from statelab.speculative.drafters import ShadowGate
     from statelab.speculative.transaction import Arm, Runner, SpecConfig, Transaction
 
     _layouts_or_skip()
-
-    class Plain(ShadowGate):  # plain for the whole request (no dwell ever ends)
-        def start(self):
-            super().start()
-            self.drafting = False
-
     cfg = SpecConfig(k=3, fixed_rows=True, cap=64, threads=1)
     runner = Runner(model, None, cfg, draft="ngram:1-8")
     p = he("HumanEval/57")
@@ -521,12 +516,13 @@ def test_plain_cycles_under_an_open_shadow_run_as_r_steps_with_the_same_counts(m
 
     monkeypatch.setattr(Transaction, "_plain_run", counted)
     for fast in (True, False):
-        monkeypatch.setattr(Transaction, "plain_runs", fast)
         arm = Arm.parse("C_QB")
         t, d = runner.contexts(arm)
         try:
+            held_plain = ShadowGate(costs, dwell=10 ** 9, start_drafting=False)  # no dwell ever ends
             tx = Transaction(arm, t, d, cfg.k, cfg.mask, drafter=runner.drafter, k_max=cfg.k_max,
-                             fixed_rows=True, gate=Plain(costs, dwell=10 ** 9))
+                             fixed_rows=True, gate=held_plain)
+            tx.plain_runs = fast
             ep = tx.run(model.tokenize(p.text), cfg.cap)
         finally:
             t.close()
@@ -537,4 +533,4 @@ def test_plain_cycles_under_an_open_shadow_run_as_r_steps_with_the_same_counts(m
     assert runs[True][1] == runs[False][1] and runs[True][2] == runs[False][2] > 0
     c = runs[True][1]
     assert c["proposals"] == 0 and c["verify_rows"] == c["verify_calls"] == c["cycles"]  # plain: one row each
-    assert fast_calls and sum(fast_calls) > 0 and len(committed) == len(fast_calls)  # none when switched off
+    assert sum(fast_calls) > 0 and len(committed) == len(fast_calls)  # none when switched off

@@ -440,7 +440,8 @@ class ShadowGate:
     change pay the graph's rebuild and, on CUDA, the capture of its CUDA graph (ggml-cuda
     captures on the second call of a stable shape), which the shape change's cost already
     counts.  A sample counts at most twice the running figure (one stall does not flip the
-    regime).  A request starts drafting with ``prior`` tokens per cycle."""
+    regime).  A request starts drafting with ``prior`` tokens per cycle (plain with
+    ``start_drafting`` False: with an endless ``dwell``, a gate held plain)."""
     costs: VerifyCosts
     half_life: float = 8.0
     margin: float = 0.05
@@ -454,11 +455,12 @@ class ShadowGate:
     seconds: dict = field(default_factory=dict)
     fixed_rows: int | None = None
     run: int = 0  # calls in a row with the current shape
+    start_drafting: bool = True
 
     WARM = 3  # the first call of a shape whose time counts (after the rebuild and the CUDA graph capture)
 
     def start(self) -> None:
-        self.drafting, self.tokens, self.since, self.shadow, self.run = True, float(self.prior), 0, None, 0
+        self.drafting, self.tokens, self.since, self.shadow, self.run = self.start_drafting, float(self.prior), 0, None, 0
         self.seconds = {}
 
     def _cycle_seconds(self, drafting: bool) -> float:

@@ -248,7 +248,7 @@ class Transaction:
     removed afterwards): under QB every row is computed independently of the others, so the
     padding changes no committed logit while the graph keeps one shape and is reused."""
 
-    plain_runs = True  # plain cycles under an open shadow proposal as one loop (False: the general cycle each)
+    plain_runs = True  # plain cycles under an open shadow proposal as one loop (False, per instance: the general cycle each)
 
     def __init__(self, arm: Arm, target_ctx, draft_ctx=None, k: int = 3, mask: int = 3, drafter: Drafter | None = None,
                  k_max: int | None = None, fixed_rows: bool = False, gate: Gate | None = None):
