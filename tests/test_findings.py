@@ -220,6 +220,13 @@ def test_findings_path_on_real_model(tmp_path):
             assert m["found"] and set(m["layers"]) <= set(m["start"]["layers"])
             assert m["selected_bytes"] <= m["start_bytes"]
 
+    # a run folder kept without its captures (as docs/findings/*/run): refused in one line, no log begun
+    bare = tmp_path / "bare"
+    shutil.copytree(run, bare, ignore=shutil.ignore_patterns("captures", "findings"))
+    r = run_cli("study", "findings-run", bare, "--kind", "panels", "--budget", "30", "--workers", "1")
+    one_line_error(r, "of the pending targets are not here")
+    assert not (bare / "findings").exists()
+
     out = tmp_path / "findings"
     r = run_cli("study", "findings", run, "--out", out)
     assert r.returncode == 0, r.stderr

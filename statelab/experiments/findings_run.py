@@ -323,6 +323,11 @@ def _plan(run) -> tuple[list[dict], list]:
                          "cap": int(task["cap"]), "key": target_key(t, r), "repeat": r, **t})
     if opt.get("limit") is not None:
         jobs = jobs[:opt["limit"]]
+    missing = sorted({p for j in jobs for p in (j["donor_capture"], j["recipient_capture"]) if not Path(p).exists()})
+    if missing:  # a run folder kept without its captures (docs/findings/*/run): nothing to cross
+        raise FindingsError(f"{run.out}: {len(missing)} capture(s) of the pending targets are not here "
+                            f"(first: {missing[0]}); `statelab study run SPEC --out {run.out}` forms them again "
+                            "and keeps the finished cells")
     norm = spec["normalized"]
     process = {"kind": opt["what"], "model_path": spec["model_path"], "backend": norm["backend"],
                "model_sha256": norm["model_sha256"]}
