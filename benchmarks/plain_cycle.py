@@ -19,8 +19,9 @@ prefill).  Variants, per token (median over the continuation, then over ``--roun
                      calibration says rows are dear): every cycle one row, the loop's own host
                      work included (t_cycle / committed)
   ARM shadow plain   a whole request under a shadow gate held plain (its drafter asked for the
-                     shadow proposals): ``plain runs`` runs the cycles under an open shadow
-                     proposal as one loop of R's step (Transaction._plain_run), ``general
+                     shadow proposals): ``plain runs`` runs the plain regime as one loop of
+                     R's step that also settles and asks for the shadow proposals
+                     (Transaction._plain_run), ``general
                      cycle`` each through the general loop (Transaction.plain_runs False);
                      ``outside the decode call``: (t_cycle - t_verify) / committed, the host work
 

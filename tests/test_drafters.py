@@ -492,13 +492,20 @@ def test_adaptive_k_reaches_seven_with_fixed_rows():
 
 
 @pytest.mark.model
-def test_plain_cycles_under_an_open_shadow_run_as_r_steps_with_the_same_counts(model, he, monkeypatch):
-    """A shadow gate held plain: its cycles under an open shadow proposal run as one loop of R's
-    step (Transaction._plain_run); the output is R's bit for bit and every count (cycles, calls,
-    rows, proposals, declined) is the general loop's, cycle for cycle.  ``start_drafting`` False
-    starts the shadow gate plain."""
+@pytest.mark.parametrize("dwell", [10 ** 9, 4])
+def test_the_plain_regime_runs_as_r_steps_with_the_same_counts(model, he, monkeypatch, dwell):
+    """A shadow gate's plain regime runs as one loop of R's step (Transaction._plain_run), its
+    shadow proposals settled and asked for in the loop; the output is R's bit for bit and every
+    count (cycles, calls, rows, proposals, accepted, declined) is the general loop's, cycle for
+    cycle.  ``start_drafting`` False starts the shadow gate plain; an endless ``dwell`` holds it
+    there, ``dwell`` 4 lets it turn both ways (its cycle times left out, so the turns depend on
+    the tokens alone and both loops see the same ones)."""
     from statelab.speculative.drafters import ShadowGate
     from statelab.speculative.transaction import Arm, Runner, SpecConfig, Transaction
+
+    class TokensOnly(ShadowGate):
+        def update(self, key, proposed, accepted, rows=0, prev_rows=0, seconds=0.0):
+            super().update(key, proposed, accepted, rows, prev_rows, 0.0)
 
     _layouts_or_skip()
     cfg = SpecConfig(k=3, fixed_rows=True, cap=64, threads=1)
@@ -519,9 +526,9 @@ def test_plain_cycles_under_an_open_shadow_run_as_r_steps_with_the_same_counts(m
         arm = Arm.parse("C_QB")
         t, d = runner.contexts(arm)
         try:
-            held_plain = ShadowGate(costs, dwell=10 ** 9, start_drafting=False)  # no dwell ever ends
+            gate = TokensOnly(costs, dwell=dwell, start_drafting=False)
             tx = Transaction(arm, t, d, cfg.k, cfg.mask, drafter=runner.drafter, k_max=cfg.k_max,
-                             fixed_rows=True, gate=held_plain)
+                             fixed_rows=True, gate=gate)
             tx.plain_runs = fast
             ep = tx.run(model.tokenize(p.text), cfg.cap)
         finally:
@@ -532,5 +539,9 @@ def test_plain_cycles_under_an_open_shadow_run_as_r_steps_with_the_same_counts(m
     assert runs[True][0] == runs[False][0] == ref
     assert runs[True][1] == runs[False][1] and runs[True][2] == runs[False][2] > 0
     c = runs[True][1]
-    assert c["proposals"] == 0 and c["verify_rows"] == c["verify_calls"] == c["cycles"]  # plain: one row each
     assert sum(fast_calls) > 0 and len(committed) == len(fast_calls)  # none when switched off
+    if dwell > 64:  # held plain: one row each, no proposal submitted
+        assert c["proposals"] == 0 and c["verify_rows"] == c["verify_calls"] == c["cycles"]
+    else:  # it turned to drafting and back: proposals submitted, and plain runs after them
+        assert c["proposals"] > 0 and c["verify_rows"] > c["verify_calls"]
+        assert sum(fast_calls) < c["committed"]

@@ -374,6 +374,10 @@ class Gate:
         """The tokens a shadow proposal still expects (the gain gate keeps none)."""
         return None
 
+    def is_plain(self) -> bool:
+        """Whether the gate is in a regime of one-row decodes (the gain gate weighs every cycle: never)."""
+        return False
+
     def plain(self, prev_rows: int, fixed_rows: int | None) -> tuple[int, float]:
         """(rows, seconds) of the cheapest cycle without proposals."""
         one = self.costs.cost(1, prev_rows)
@@ -503,9 +507,9 @@ class ShadowGate:
     def open_shadow(self, hist: np.ndarray, L: int) -> np.ndarray | None:
         """Plain, with a shadow proposal open that ``hist[:L]`` has agreed with so far: the
         tokens it still expects (the rest of the proposal); None otherwise.  Until one of them
-        disagrees, every cycle is a one-row decode that asks the drafter nothing, so the
-        transaction runs them as one loop of R's step (:meth:`~statelab.speculative.transaction.
-        Transaction._plain_run`)."""
+        disagrees, every cycle is a one-row decode that asks the drafter nothing; the
+        transaction runs the plain regime as one loop of R's step (:meth:`~statelab.speculative.
+        transaction.Transaction._plain_run`), asking for the next shadow proposal there."""
         if self.drafting or self.shadow is None:
             return None
         L0, sp = self.shadow
@@ -513,6 +517,10 @@ class ShadowGate:
         if n >= len(sp) or not np.array_equal(sp[:n], hist[L0:L]):
             return None
         return sp[n:]
+
+    def is_plain(self) -> bool:
+        """Plain: every cycle a one-row decode, the drafter asked only for the shadow proposals."""
+        return not self.drafting
 
     def choose(self, key, props: np.ndarray, hist: np.ndarray, L: int, prev_rows: int,
                fixed_rows: int | None) -> int:

@@ -248,7 +248,7 @@ class Transaction:
     removed afterwards): under QB every row is computed independently of the others, so the
     padding changes no committed logit while the graph keeps one shape and is reused."""
 
-    plain_runs = True  # plain cycles under an open shadow proposal as one loop (False, per instance: the general cycle each)
+    plain_runs = True  # a gate's plain regime as one loop of R's step (False, per instance: the general cycle each)
 
     def __init__(self, arm: Arm, target_ctx, draft_ctx=None, k: int = 3, mask: int = 3, drafter: Drafter | None = None,
                  k_max: int | None = None, fixed_rows: bool = False, gate: Gate | None = None):
@@ -329,33 +329,45 @@ class Transaction:
         self.guard.phase["target"] = "continuation"
         return self.t.logits(-1)
 
-    def _plain_run(self, hist: np.ndarray, L: int, expect: np.ndarray, n_max: int, prev_rows: int) -> int:
-        """Plain cycles while the gate's open shadow proposal agrees: R's one-token step per
-        cycle (decode and the greedy choice in place), committed into ``hist`` from ``L`` on,
-        until a token differs from ``expect`` (the proposal's rest; that token is committed
-        and the next cycle settles the shadow), an end-of-generation token, or ``n_max``
-        tokens.  The tokens, calls, rows and counters are those of the general cycle with
-        no proposal; its per-cycle host work (proposal, plan, numpy bookkeeping) is what
-        this saves.  Returns the tokens committed."""
-        model, c, gate = self.t.model, self.c, self.gate
+    def _plain_run(self, hist: np.ndarray, L: int, n_max: int, prev_rows: int) -> int:
+        """The gate's plain regime as one loop: R's one-token step per cycle (decode and the
+        greedy choice in place), committed into ``hist`` from ``L`` on.  Under an open shadow
+        proposal that agrees so far a cycle asks nothing; where it has ended, the cycle settles
+        it and, still plain, asks the drafter for the next one, as the general cycle would.  The
+        loop ends where the gate turns to drafting, at an end-of-generation token or after
+        ``n_max`` tokens; a cycle whose plan is not one row (the gate turned while choosing) is
+        left to the general cycle, which asks the drafter again (a model-free drafter's
+        proposal depends on the history alone).  The tokens, calls, rows and counters are those
+        of the general cycle with no proposal; its per-cycle host work (verify plan, numpy
+        bookkeeping, rollback check) is what this saves.  Returns the tokens committed."""
+        model, c, gate, kp = self.t.model, self.c, self.gate, self.kpolicy
+        rows_fixed = kp.k_max + 1 if self.fixed_rows else None
         tok, pos = int(hist[L - 1]), L - 1
         n = 0
-        while n < n_max:
+        while n < n_max and gate.is_plain():
+            Lc = L + n
+            if gate.open_shadow(hist, Lc) is None:
+                t0 = time.perf_counter()
+                props, key = cycle_proposal(self.drafter, gate, hist, Lc, proposal_length(kp, self.fixed_rows, n_max - n))
+                c.t_draft += time.perf_counter() - t0
+                if not gate.is_plain() or verify_plan(gate, key, props, hist, Lc, prev_rows, rows_fixed) != (0, 1):
+                    break
             t0 = time.perf_counter()
             tok = self._step(tok, pos)
             dt = time.perf_counter() - t0
-            hist[L + n] = tok
+            hist[Lc] = tok
             n += 1
             pos += 1
             c.t_verify += dt
             gate.update(None, 0, 0, 1, prev_rows, dt)
             prev_rows = 1
-            if tok != expect[n - 1] or model.is_eog(tok):
+            if model.is_eog(tok):
                 break
         c.cycles += n
         c.verify_calls += n
         c.verify_rows += n
         c.committed += n
+        c.declined = gate.declined
         return n
 
     # -- the request --------------------------------------------------------
@@ -408,12 +420,12 @@ class Transaction:
             if model.is_eog(int(hist[L - 1])) or n_out >= cap:
                 break
             n_past = L - 1
-            expect = gate.open_shadow(hist, L) if plain_runs else None
-            if expect is not None:
-                n = self._plain_run(hist, L, expect, min(len(expect), cap - n_out), prev_rows)
-                L += n
-                prev_rows = 1
-                continue
+            if plain_runs and gate.is_plain():
+                n = self._plain_run(hist, L, cap - n_out, prev_rows)
+                if n:
+                    L += n
+                    prev_rows = 1
+                    continue
             t0 = time.perf_counter()
             full, key = cycle_proposal(self.drafter, gate, hist, L, proposal_length(kp, self.fixed_rows, cap - n_out))
             p, rows = verify_plan(gate, key, full, hist, L, prev_rows, rows_fixed if self.fixed_rows else None)
