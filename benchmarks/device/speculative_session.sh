@@ -44,6 +44,9 @@
 #                      off), on BACKEND (default cuda; vulkan needs the CUDA+Vulkan build of vulkan_session.sh setup),
 #                      with the verify-cost sweep; SESSIONS=N overrides the spec's; with BUDGET=S a campaign starts
 #                      no new block after S seconds and the next call resumes it; results in $OUT/panel.tgz
+#   plain-cycle        benchmarks/plain_cycle.py on BACKEND (default cuda; ROUNDS, default 5): where a cycle
+#                      without proposals loses to R's one-token step, the plain-regime loop against the general
+#                      cycle (host work outside the decode call); $OUT/plain_cycle_BACKEND.txt
 #   wheel-out          the CUDA wheel built here, in parts of 15 MiB under $OUT (a later session carries them
 #                      back as .dev/cudawhl/ instead of building again: see `wheel-in`)
 #   wheel-in           install the wheel carried back in .dev/cudawhl/ (parts joined, sha256 checked)
@@ -81,6 +84,11 @@ case "${1:-}" in
       [ "$st" = 3 ] && break   # unfinished: the next call resumes it
     done
     tar -czf "$OUT/panel.tgz" -C "$OUT" panel
+    ;;
+  plain-cycle)
+    BE=${BACKEND:-cuda}; [ "$BE" = vulkan ] && vk_env
+    python3 benchmarks/plain_cycle.py --backend "$BE" --rounds "${ROUNDS:-5}" 2>&1 | tee "$OUT/plain_cycle_$BE.txt" | tail -16
+    exit "${PIPESTATUS[0]}"
     ;;
   weights)
     R=$OUT/weights; mkdir -p "$R"
@@ -168,5 +176,5 @@ PY
     python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site --upgrade "$W/$n" && echo "$W/$n" >> $W/build.log
     echo 0 > $W/build.rc
     ;;
-  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|drafter [SPEC]|weights [audit|qualify|locate|campaign]|findings-start|findings-wait S|findings-partial|import-bench|exact|gemma-panel|qbcols|wheel-out|wheel-in" >&2; exit 2 ;;
+  *) echo "usage: $0 setup|keep NAME|model|gemma|wait|drafter [SPEC]|weights [audit|qualify|locate|campaign]|findings-start|findings-wait S|findings-partial|import-bench|exact|gemma-panel|qbcols|panel KIND...|plain-cycle|wheel-out|wheel-in" >&2; exit 2 ;;
 esac
