@@ -44,7 +44,8 @@
 #                      off), on BACKEND (default cuda; vulkan needs the CUDA+Vulkan build of vulkan_session.sh setup),
 #                      with the verify-cost sweep; SESSIONS=N overrides the spec's; with BUDGET=S a campaign starts
 #                      no new block after S seconds and the next call resumes it; results in $OUT/panel.tgz
-#   plain-cycle        benchmarks/plain_cycle.py on BACKEND (default cuda; ROUNDS, default 5): where a cycle
+#   plain-cycle [ARG]  benchmarks/plain_cycle.py on BACKEND (default cuda; ROUNDS, default 5; its other
+#                      arguments passed on, e.g. --prompt chat:prompts/panel/explain-compound-interest.txt): where a cycle
 #                      without proposals loses to R's one-token step, the plain-regime loop against the general
 #                      cycle (host work outside the decode call); $OUT/plain_cycle_BACKEND.txt
 #   wheel-out          the CUDA wheel built here, in parts of 15 MiB under $OUT (a later session carries them
@@ -87,7 +88,7 @@ case "${1:-}" in
     ;;
   plain-cycle)
     BE=${BACKEND:-cuda}; [ "$BE" = vulkan ] && vk_env
-    python3 benchmarks/plain_cycle.py --backend "$BE" --rounds "${ROUNDS:-5}" 2>&1 | tee "$OUT/plain_cycle_$BE.txt" | tail -16
+    python3 benchmarks/plain_cycle.py --backend "$BE" --rounds "${ROUNDS:-5}" "${@:2}" 2>&1 | tee "$OUT/plain_cycle_$BE.txt" | tail -16
     exit "${PIPESTATUS[0]}"
     ;;
   weights)
