@@ -24,6 +24,9 @@ prefill).  Variants, per token (median over the continuation, then over ``--roun
                      (Transaction._plain_run), ``general
                      cycle`` each through the general loop (Transaction.plain_runs False);
                      ``outside the decode call``: (t_cycle - t_verify) / committed, the host work
+  DRAFTER proposal   a model-free drafter's lookup alone, once at every output position of R's
+                     output (the median); a session drafter's corpus is empty here (these runs
+                     do not learn), so this is the request's own lookup
 
 Not a device claim on its own: run it on the device whose ratios it explains.
 """
@@ -149,6 +152,14 @@ def main() -> int:
                 t.close()
                 if d is not None:
                     d.close()
+    if runner.drafter is not None and not runner.drafter.needs_model:  # one lookup at every output position
+        hist = np.concatenate([toks, out]).astype(np.int32)
+        lookups = []
+        for L in range(len(toks) + 1, len(hist)):
+            t0 = time.perf_counter()
+            runner.drafter.propose(hist[:L], cfg.rows - 1)
+            lookups.append(time.perf_counter() - t0)
+        res[f"{runner.drafter.text} proposal (its lookup alone, per cycle)"] = [statistics.median(lookups)]
     base = statistics.median(res["R step"])
     print(f"{p.id} ({len(toks)} prompt tokens, {len(out) - 1} continued), {spec.backend}, arm {a.arm} "
           f"(ubatch {cfg.target_ubatch}, layout patch {layouts.available()}), {a.rounds} rounds\n")
