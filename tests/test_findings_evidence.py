@@ -81,7 +81,7 @@ def test_step_margins_are_those_of_the_full_logits(model, he, base_config):
 
 
 @pytest.mark.parametrize("kept", [pytest.param("cuda", marks=pytest.mark.slow), pytest.param("cpu", marks=pytest.mark.slow),
-                                  "cpu-paper-check"])
+                                  "vulkan", "cpu-paper-check"])
 def test_committed_tables_regenerate_from_the_committed_records(tmp_path, kept):
     """docs/findings/KEPT: findings.md, findings.json and contrasts.md again, byte for byte,
     from docs/findings/KEPT/run alone (no captures, no results.nc, no model)."""
@@ -210,11 +210,12 @@ def test_the_vulkan_findings_study_is_the_cuda_one_on_another_backend():
     assert vk.hash != cuda.hash
 
 
-@pytest.mark.parametrize("folder, n_cells", [("partial", 16256), ("full", 21504)])
+@pytest.mark.parametrize("folder, n_cells", [("partial", 16256), ("run", 21504)])
 def test_vulkan_run_b_and_c_form_a_state_unless_the_last_micro_batch_is_a_matrix_vector_one(folder, n_cells):
     """docs/findings/vulkan/partial (the H200's Vulkan device, 2026-12-04, 16,256 of 21,504 cells
-    before the machine was given back) and docs/findings/vulkan/full (an H100's Vulkan device,
-    2026-12-05, the whole study in one call, packed the same way): B (128 + rest) and C (ubatch 128) form one state on every
+    before the machine was given back, kept compactly by benchmarks/device/partial_run.py) and
+    docs/findings/vulkan/run (an H100's Vulkan device, 2026-12-07, the whole study with its panels and
+    searches, the run folder the tables regenerate from): B (128 + rest) and C (ubatch 128) form one state on every
     prompt, and A's exactly where the rest exceeds ggml-vulkan's 8 matrix-vector columns; every
     recorded cell of a prompt with one state imports the recipient's own bytes (class D), and the
     two other prompts have all their cells, each repeat-agreeing."""
@@ -223,7 +224,12 @@ def test_vulkan_run_b_and_c_form_a_state_unless_the_last_micro_batch_is_a_matrix
 
     d = REPO / "docs" / "findings" / "vulkan" / folder
     spec = json.loads((d / "spec.json").read_text())["normalized"]
-    controls = [json.loads(x) for x in gzip.open(d / "controls.jsonl.gz")]
+    if (d / "controls").is_dir():  # a run folder: one control per file, every cell's whole record
+        controls = [json.loads(p.read_text()) for p in sorted((d / "controls").glob("*.json"))]
+        compact = [json.loads(x) for x in gzip.open(d / "cells.jsonl.gz")]
+    else:
+        controls = [json.loads(x) for x in gzip.open(d / "controls.jsonl.gz")]
+        compact = [json.loads(x) for x in gzip.open(d / "cells-compact.jsonl.gz")]
     assert len(controls) == len(spec["prompts"]) == 24 and all(c["passed"] for c in controls)
     one_state = set()
     for c in controls:
@@ -233,10 +239,12 @@ def test_vulkan_run_b_and_c_form_a_state_unless_the_last_micro_batch_is_a_matrix
         if kv["A"] == kv["B"]:
             one_state.add(c["prompt"])
     assert len(one_state) == 22
-    compact = [json.loads(x) for x in gzip.open(d / "cells-compact.jsonl.gz")]
-    full = [json.loads(x) for x in gzip.open(d / "cells-unequal.jsonl.gz")]
     mine = [c for c in compact if c["key"].split("|")[0] in one_state]
     assert mine and all(c["klass"] == "D" and c["changed_bytes"] == 0 for c in mine)
+    if (d / "controls").is_dir():
+        full = [c for c in compact if c["key"].split("|")[0] not in one_state]
+    else:
+        full = [json.loads(x) for x in gzip.open(d / "cells-unequal.jsonl.gz")]
     per_prompt = len(spec["selectors"]) * len(spec["directions"]) * spec["repeats"]
     assert len(full) == 2 * per_prompt and len(compact) == len(mine) + len(full) == n_cells
     classes: dict = {}
