@@ -128,6 +128,7 @@ def test_dev_join_takes_the_parts_and_the_hash_from_the_file_kit_writes(tmp_path
     data = os.urandom(3000)
     dev, w = tmp_path / ".dev", tmp_path / "w"
     dev.mkdir(), w.mkdir()
+    (w / "build.log").write_text("[native] building\n")  # dev_setup ran on this machine
     for i, name in enumerate(("x0", "x1", "x2")):
         ((w if i < 2 else dev) / name).write_bytes(data[i * 1000:(i + 1) * 1000])
     (dev / "x.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}\nx0 x1 x2\n")
@@ -144,6 +145,25 @@ def test_dev_join_takes_the_parts_and_the_hash_from_the_file_kit_writes(tmp_path
     assert none.returncode != 0 and "names no parts" in none.stderr
 
 
+def test_steps_after_setup_refuse_a_bare_machine_at_once(tmp_path):
+    """A call can land on a fresh machine when the last one was given back: keep, the model's join and
+    wait (which would otherwise wait for a build that was never started) each say so in one line and
+    fail at once, before touching anything."""
+    import time
+
+    w = tmp_path / "w"  # no build.log: no setup ran here
+    (tmp_path / ".dev").mkdir()
+    (tmp_path / ".dev" / "m2").write_bytes(b"part")
+    (tmp_path / ".dev" / "model.sha256").write_text(f"{'0' * 64}\nm1 m2 m3\n")
+    for step in ("dev_keep m2", "dev_default_model", "dev_wait"):
+        t0 = time.monotonic()
+        script = f'. "{REPO}/benchmarks/device/common.sh"; W="{w}"; {step}'
+        r = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and time.monotonic() - t0 < 10, (step, r.stderr)
+        assert r.stderr.count("\n") == 1 and "this machine is bare" in r.stderr, (step, r.stderr)
+        assert not w.exists() and not (tmp_path / "w" / "m2").exists()
+
+
 def test_kit_splits_a_model_with_a_short_first_part_that_dev_join_takes_back(tmp_path):
     """kit.sh split_model FILE PREFIX PARTS FIRST SHAFILE FIRST_BYTES: the first part FIRST_BYTES
     long (it travels with the setup call), the rest in PARTS - 1 parts of equal size; the sha file
@@ -158,6 +178,7 @@ def test_kit_splits_a_model_with_a_short_first_part_that_dev_join_takes_back(tmp
     (tmp_path / "model.gguf").write_bytes(data)
     w = tmp_path / "w"
     w.mkdir()
+    (w / "build.log").write_text("[native] building\n")
     for args, sizes in ((("m", "3", "1", "model.sha256", "1000"), [1000, 4500, 4501]),
                         (("g", "4", "0", "g.sha256"), [2500, 2500, 2500, 2501])):
         script = f'set -e; D=.dev; mkdir -p $D; {fn}\nsplit_model model.gguf {" ".join(args)}'

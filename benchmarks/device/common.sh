@@ -46,13 +46,20 @@ dev_setup_vulkan() {
     --cmake-arg=-DVulkan_GLSLC_EXECUTABLE=/opt/vk/usr/bin/glslc --cmake-arg=-DCMAKE_PREFIX_PATH=/opt/vk/usr
 }
 
+# dev_here STEP: one line and status 1 where no setup ran on this machine (a call can land on a fresh, bare
+# machine when the last one was given back: said at once, not after waiting for a build that is not there).
+dev_here() {
+  [ -f $W/build.log ] || { echo "$1: this machine is bare (no setup ran on it; the last one was given back): run setup again" >&2; return 1; }
+}
+
 # dev_keep NAME: keep .dev/NAME (one part of a large file) under $W until the parts are joined.
-dev_keep() { cp ".dev/$1" "$W/$1" && tail -2 $W/build.log; }
+dev_keep() { dev_here "keep $1" && cp ".dev/$1" "$W/$1" && tail -2 $W/build.log; }
 
 # dev_join OUT SHAFILE: join the parts SHAFILE names on its second line (kit.sh writes it), each kept
 # under $W or travelling now under .dev/, and check the sha256 on its first line.
 dev_join() {
   local out=$1 sha parts
+  dev_here "join $2" || return 1
   sha=$(sed -n 1p ".dev/$2") && parts=$(sed -n 2p ".dev/$2") || return 1
   [ -n "$parts" ] || { echo "dev_join: .dev/$2 names no parts: run benchmarks/device/kit.sh again" >&2; return 1; }
   for p in $parts; do if [ -f "$W/$p" ]; then cat "$W/$p"; else cat ".dev/$p"; fi; done > "$out"
@@ -68,6 +75,7 @@ dev_default_model() {
 
 # dev_wait: wait for the background build and install its wheel into /opt/site.
 dev_wait() {
+  dev_here wait || return 1
   while [ ! -f $W/build.rc ]; do sleep 5; done
   tail -3 $W/build.log; [ "$(cat $W/build.rc)" = 0 ] || return 1
   python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/site --upgrade "$(tail -1 $W/build.log)"
