@@ -262,26 +262,25 @@ def test_shadow_gate_asks_no_proposal_while_its_shadow_one_is_open():
     assert Gate(costs).wants_proposal(out, 2)
 
 
-def test_open_shadow_is_the_rest_of_an_agreeing_shadow_proposal_while_plain():
-    """ShadowGate.open_shadow: while plain, the tokens of the open shadow proposal not yet
-    committed, as long as what was committed agrees; None while drafting, with no shadow, once it
-    disagreed or is used up; the gain gate keeps none."""
+def test_a_shadow_proposal_is_open_while_plain_until_it_disagrees_or_is_used_up():
+    """ShadowGate.shadow_open: while plain, True as long as the committed tokens agree with the
+    shadow proposal and some of it is still to come; False while drafting, with no shadow, once
+    it disagreed or is used up; the gain gate is never plain."""
     from statelab.speculative.drafters import ShadowGate
 
     costs = VerifyCosts(same=(1.0,) * 4, change=(1.0,) * 4)
     out = np.arange(40, dtype=np.int32)
     g = ShadowGate(costs)
     g.start()
-    assert g.open_shadow(out, 5) is None  # drafting
+    assert not g.shadow_open(out, 5)  # drafting
     g.drafting = False
-    assert g.open_shadow(out, 5) is None  # plain, no shadow proposal
+    assert not g.shadow_open(out, 5)  # plain, no shadow proposal
     g.shadow = (5, out[5:9].copy())
-    assert g.open_shadow(out, 5).tolist() == [5, 6, 7, 8]
-    assert g.open_shadow(out, 7).tolist() == [7, 8]
-    assert g.open_shadow(out, 9) is None  # used up: the next cycle settles it
+    assert g.shadow_open(out, 5) and g.shadow_open(out, 8)
+    assert not g.shadow_open(out, 9)  # used up: the next cycle settles it
     g.shadow = (5, np.array([5, 6, 99, 8], dtype=np.int32))
-    assert g.open_shadow(out, 7).tolist() == [99, 8] and g.open_shadow(out, 8) is None  # 7 != 99
-    assert Gate(costs).open_shadow(out, 7) is None
+    assert g.shadow_open(out, 7) and not g.shadow_open(out, 8)  # 7 != 99
+    assert g.is_plain() and not Gate(costs).is_plain()
 
 
 def test_shadow_gate_follows_the_measured_cycle_time():

@@ -370,12 +370,9 @@ class Gate:
         """Whether this cycle needs the drafter's proposal (every cycle: the gain gate weighs each)."""
         return True
 
-    def open_shadow(self, hist: np.ndarray, L: int) -> np.ndarray | None:
-        """The tokens a shadow proposal still expects (the gain gate keeps none)."""
-        return None
-
     def is_plain(self) -> bool:
-        """Whether the gate is in a regime of one-row decodes (the gain gate weighs every cycle: never)."""
+        """Whether the gate is in a regime of one-row decodes (the gain gate weighs every cycle: never).
+        A gate that can be plain also says whether a shadow proposal is open (``shadow_open``)."""
         return False
 
     def plain(self, prev_rows: int, fixed_rows: int | None) -> tuple[int, float]:
@@ -504,19 +501,17 @@ class ShadowGate:
         settled here): nothing would use a new proposal, so the drafter is not asked."""
         return self.drafting or self.shadow is None or self._settle_shadow(hist, L)
 
-    def open_shadow(self, hist: np.ndarray, L: int) -> np.ndarray | None:
-        """Plain, with a shadow proposal open that ``hist[:L]`` has agreed with so far: the
-        tokens it still expects (the rest of the proposal); None otherwise.  Until one of them
-        disagrees, every cycle is a one-row decode that asks the drafter nothing; the
-        transaction runs the plain regime as one loop of R's step (:meth:`~statelab.speculative.
-        transaction.Transaction._plain_run`), asking for the next shadow proposal there."""
+    def shadow_open(self, hist: np.ndarray, L: int) -> bool:
+        """Plain, with a shadow proposal that ``hist[:L]`` has agreed with so far and has not used
+        up.  Until it disagrees or ends, every cycle is a one-row decode that asks the drafter
+        nothing; the transaction runs the plain regime as one loop of R's step
+        (:meth:`~statelab.speculative.transaction.Transaction._plain_run`), asking for the next
+        shadow proposal there."""
         if self.drafting or self.shadow is None:
-            return None
+            return False
         L0, sp = self.shadow
         n = L - L0
-        if n >= len(sp) or not np.array_equal(sp[:n], hist[L0:L]):
-            return None
-        return sp[n:]
+        return n < len(sp) and np.array_equal(sp[:n], hist[L0:L])
 
     def is_plain(self) -> bool:
         """Plain: every cycle a one-row decode, the drafter asked only for the shadow proposals."""

@@ -337,7 +337,7 @@ class Transaction:
         loop ends where the gate turns to drafting, at an end-of-generation token or after
         ``n_max`` tokens; a cycle whose plan is not one row (the gate turned while choosing) is
         left to the general cycle, which asks the drafter again (a model-free drafter's
-        proposal depends on the history alone).  The tokens, calls, rows and counters are those
+        proposal depends on the history alone; both lookups count in ``t_draft``, as both ran).  The tokens, calls, rows and counters are those
         of the general cycle with no proposal; its per-cycle host work (verify plan, numpy
         bookkeeping, rollback check) is what this saves.  Returns the tokens committed."""
         model, c, gate, kp = self.t.model, self.c, self.gate, self.kpolicy
@@ -346,7 +346,7 @@ class Transaction:
         n = 0
         while n < n_max and gate.is_plain():
             Lc = L + n
-            if gate.open_shadow(hist, Lc) is None:
+            if not gate.shadow_open(hist, Lc):
                 t0 = time.perf_counter()
                 props, key = cycle_proposal(self.drafter, gate, hist, Lc, proposal_length(kp, self.fixed_rows, n_max - n))
                 c.t_draft += time.perf_counter() - t0
