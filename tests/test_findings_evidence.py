@@ -210,6 +210,21 @@ def test_the_vulkan_findings_study_is_the_cuda_one_on_another_backend():
     assert vk.hash != cuda.hash
 
 
+def test_the_paper_protocol_study_with_the_papers_ten_selectors_differs_only_in_its_selectors():
+    """studies/findings-cpu-paper10.toml (issue 27 item 3) is findings-cpu-paper.toml with the paper's ten
+    selectors (S5.1) and the EMPTY/ALL controls: the same prompts (all longer than 128 tokens, so B has a
+    remainder), arms A, B, C and R, six directions, two repeats and full endpoints (cap 256)."""
+    from statelab.experiments.matrix.spec import load_spec
+
+    full, ten = (load_spec(REPO / "studies" / f"findings-cpu-{n}.toml") for n in ("paper", "paper10"))
+    nf, nt = full.normalized(), ten.normalized()
+    assert {k for k in nf if nf[k] != nt.get(k)} == {"name", "selectors"}
+    names = [s["name"] if isinstance(s, dict) else s for s in nt["selectors"]]
+    assert sorted(names) == sorted(["EMPTY", "ALL", "L0_K", "L0_V", "L0", "K_ALL", "V_ALL", "EARLY", "MIDDLE",
+                                    "LATE", "PREFIX", "TAIL"])
+    assert len(ten.cell_keys()) == 24 * 12 * 6 * 2 and nt["cap"] == 256 and set(nt["arms"]) == set("ABCR")
+
+
 @pytest.mark.parametrize("folder, n_cells", [("partial", 16256), ("run", 21504)])
 def test_vulkan_run_b_and_c_form_a_state_unless_the_last_micro_batch_is_a_matrix_vector_one(folder, n_cells):
     """docs/findings/vulkan/partial (the H200's Vulkan device, 2026-12-04, 16,256 of 21,504 cells
