@@ -239,10 +239,11 @@ def test_vulkan_run_b_and_c_form_a_state_unless_the_last_micro_batch_is_a_matrix
 
     d = REPO / "docs" / "findings" / "vulkan" / folder
     spec = json.loads((d / "spec.json").read_text())["normalized"]
-    if (d / "controls").is_dir():  # a run folder: one control per file, every cell's whole record
+    run_folder = (d / "controls").is_dir()  # one control per file, every cell's whole record
+    if run_folder:
         controls = [json.loads(p.read_text()) for p in sorted((d / "controls").glob("*.json"))]
         compact = [json.loads(x) for x in gzip.open(d / "cells.jsonl.gz")]
-    else:
+    else:  # partial_run.py's compact copy: the whole records of the two-state prompts apart
         controls = [json.loads(x) for x in gzip.open(d / "controls.jsonl.gz")]
         compact = [json.loads(x) for x in gzip.open(d / "cells-compact.jsonl.gz")]
     assert len(controls) == len(spec["prompts"]) == 24 and all(c["passed"] for c in controls)
@@ -256,10 +257,8 @@ def test_vulkan_run_b_and_c_form_a_state_unless_the_last_micro_batch_is_a_matrix
     assert len(one_state) == 22
     mine = [c for c in compact if c["key"].split("|")[0] in one_state]
     assert mine and all(c["klass"] == "D" and c["changed_bytes"] == 0 for c in mine)
-    if (d / "controls").is_dir():
-        full = [c for c in compact if c["key"].split("|")[0] not in one_state]
-    else:
-        full = [json.loads(x) for x in gzip.open(d / "cells-unequal.jsonl.gz")]
+    full = ([c for c in compact if c["key"].split("|")[0] not in one_state] if run_folder
+            else [json.loads(x) for x in gzip.open(d / "cells-unequal.jsonl.gz")])
     per_prompt = len(spec["selectors"]) * len(spec["directions"]) * spec["repeats"]
     assert len(full) == 2 * per_prompt and len(compact) == len(mine) + len(full) == n_cells
     classes: dict = {}
