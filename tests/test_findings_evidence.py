@@ -81,7 +81,7 @@ def test_step_margins_are_those_of_the_full_logits(model, he, base_config):
 
 
 @pytest.mark.parametrize("kept", [pytest.param("cuda", marks=pytest.mark.slow), pytest.param("cpu", marks=pytest.mark.slow),
-                                  "vulkan", "cpu-paper-check"])
+                                  "vulkan", "cpu-paper"])
 def test_committed_tables_regenerate_from_the_committed_records(tmp_path, kept):
     """docs/findings/KEPT: findings.md, findings.json and contrasts.md again, byte for byte,
     from docs/findings/KEPT/run alone (no captures, no results.nc, no model)."""
