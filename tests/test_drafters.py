@@ -263,23 +263,24 @@ def test_shadow_gate_asks_no_proposal_while_its_shadow_one_is_open():
 
 
 def test_a_shadow_proposal_is_open_while_plain_until_it_disagrees_or_is_used_up():
-    """ShadowGate.shadow_open: while plain, True as long as the committed tokens agree with the
-    shadow proposal and some of it is still to come; False while drafting, with no shadow, once
-    it disagreed or is used up; the gain gate is never plain."""
+    """ShadowGate.wants_proposal (what the plain-regime loop asks each cycle): while plain, False as
+    long as the committed tokens agree with the shadow proposal and some of it is still to come;
+    True while drafting, with no shadow, once it disagreed or is used up (then it is settled); the
+    gain gate is never plain."""
     from statelab.speculative.drafters import ShadowGate
 
     costs = VerifyCosts(same=(1.0,) * 4, change=(1.0,) * 4)
     out = np.arange(40, dtype=np.int32)
     g = ShadowGate(costs)
     g.start()
-    assert not g.shadow_open(out, 5)  # drafting
+    assert g.wants_proposal(out, 5)  # drafting
     g.drafting = False
-    assert not g.shadow_open(out, 5)  # plain, no shadow proposal
+    assert g.wants_proposal(out, 5)  # plain, no shadow proposal
     g.shadow = (5, out[5:9].copy())
-    assert g.shadow_open(out, 5) and g.shadow_open(out, 8)
-    assert not g.shadow_open(out, 9)  # used up: the next cycle settles it
+    assert not g.wants_proposal(out, 5) and not g.wants_proposal(out, 8)
+    assert g.wants_proposal(out, 9) and g.shadow is None  # used up: settled
     g.shadow = (5, np.array([5, 6, 99, 8], dtype=np.int32))
-    assert g.shadow_open(out, 7) and not g.shadow_open(out, 8)  # 7 != 99
+    assert not g.wants_proposal(out, 7) and g.wants_proposal(out, 8) and g.shadow is None  # 7 != 99
     assert g.is_plain() and not Gate(costs).is_plain()
 
 

@@ -371,8 +371,7 @@ class Gate:
         return True
 
     def is_plain(self) -> bool:
-        """Whether the gate is in a regime of one-row decodes (the gain gate weighs every cycle: never).
-        A gate that can be plain also says whether a shadow proposal is open (``shadow_open``)."""
+        """Whether the gate is in a regime of one-row decodes (the gain gate weighs every cycle: never)."""
         return False
 
     def plain(self, prev_rows: int, fixed_rows: int | None) -> tuple[int, float]:
@@ -498,20 +497,11 @@ class ShadowGate:
 
     def wants_proposal(self, hist: np.ndarray, L: int) -> bool:
         """False while plain with a shadow proposal still open against ``hist[:L]`` (it is
-        settled here): nothing would use a new proposal, so the drafter is not asked."""
+        settled here): nothing would use a new proposal, so the drafter is not asked.  Until it
+        disagrees or ends, every cycle is a one-row decode; the transaction runs the plain
+        regime as one loop of R's step (:meth:`~statelab.speculative.transaction.Transaction._plain_run`),
+        asking for the next shadow proposal there."""
         return self.drafting or self.shadow is None or self._settle_shadow(hist, L)
-
-    def shadow_open(self, hist: np.ndarray, L: int) -> bool:
-        """Plain, with a shadow proposal that ``hist[:L]`` has agreed with so far and has not used
-        up.  Until it disagrees or ends, every cycle is a one-row decode that asks the drafter
-        nothing; the transaction runs the plain regime as one loop of R's step
-        (:meth:`~statelab.speculative.transaction.Transaction._plain_run`), asking for the next
-        shadow proposal there."""
-        if self.drafting or self.shadow is None:
-            return False
-        L0, sp = self.shadow
-        n = L - L0
-        return n < len(sp) and np.array_equal(sp[:n], hist[L0:L])
 
     def is_plain(self) -> bool:
         """Plain: every cycle a one-row decode, the drafter asked only for the shadow proposals."""

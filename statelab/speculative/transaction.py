@@ -346,7 +346,7 @@ class Transaction:
         n = 0
         while n < n_max and gate.is_plain():
             Lc = L + n
-            if not gate.shadow_open(hist, Lc):
+            if gate.wants_proposal(hist, Lc):  # settles a shadow proposal that has ended
                 t0 = time.perf_counter()
                 props, key = cycle_proposal(self.drafter, gate, hist, Lc, proposal_length(kp, self.fixed_rows, n_max - n))
                 c.t_draft += time.perf_counter() - t0
