@@ -499,7 +499,8 @@ def test_the_plain_regime_runs_as_r_steps_with_the_same_counts(model, he, monkey
     count (cycles, calls, rows, proposals, accepted, declined) is the general loop's, cycle for
     cycle.  ``start_drafting`` False starts the shadow gate plain; an endless ``dwell`` holds it
     there, ``dwell`` 4 lets it turn both ways (its cycle times left out, so the turns depend on
-    the tokens alone and both loops see the same ones)."""
+    the tokens alone and both loops see the same ones).  The plain run sets the target's layout
+    once, where the general loop sets it around every one-row call."""
     from statelab.speculative.drafters import ShadowGate
     from statelab.speculative.transaction import Arm, Runner, SpecConfig, Transaction
 
@@ -521,8 +522,18 @@ def test_the_plain_regime_runs_as_r_steps_with_the_same_counts(model, he, monkey
         committed.append(n)
         return n
 
+    from statelab.runtime import layouts
+    sets, real_set = [], layouts.set_layout
+
+    def set_counted(ctx, name):
+        sets.append(name)
+        real_set(ctx, name)
+
     monkeypatch.setattr(Transaction, "_plain_run", counted)
+    monkeypatch.setattr(layouts, "set_layout", set_counted)
+    n_sets = {}
     for fast in (True, False):
+        sets.clear()
         arm = Arm.parse("C_QB")
         t, d = runner.contexts(arm)
         try:
@@ -534,12 +545,15 @@ def test_the_plain_regime_runs_as_r_steps_with_the_same_counts(model, he, monkey
         finally:
             t.close()
         runs[fast] = (ep.tokens.tolist(), tx.c.counts(), tx.gate.declined)
+        n_sets[fast] = len(sets)
         if fast:
             fast_calls = list(committed)
     assert runs[True][0] == runs[False][0] == ref
     assert runs[True][1] == runs[False][1] and runs[True][2] == runs[False][2] > 0
     c = runs[True][1]
     assert sum(fast_calls) > 0 and len(committed) == len(fast_calls)  # none when switched off
+    # the layout is set (and restored) once per plain run, against once around every one-row call
+    assert n_sets[False] - n_sets[True] == 2 * (sum(fast_calls) - len(fast_calls)) > 0
     if dwell > 64:  # held plain: one row each, no proposal submitted
         assert c["proposals"] == 0 and c["verify_rows"] == c["verify_calls"] == c["cycles"]
     else:  # it turned to drafting and back: proposals submitted, and plain runs after them
