@@ -492,6 +492,49 @@ def test_adaptive_k_reaches_seven_with_fixed_rows():
 
 
 @pytest.mark.model
+def test_the_plain_regime_prices_its_cycles_with_the_shadow_lookup_included(model, he):
+    """A plain run tells the shadow gate each cycle's whole time, the drafter's shadow lookup
+    included (as a drafting cycle's time includes its proposal), not the decode call alone:
+    with a lookup made 3 ms slower, the seconds the gate is given exceed the decode calls'
+    by 3 ms per lookup."""
+    import time
+
+    from statelab.speculative.drafters import ShadowGate
+    from statelab.speculative.transaction import Arm, Runner, SpecConfig, Transaction
+
+    class Recording(ShadowGate):
+        seen: list
+
+        def update(self, key, proposed, accepted, rows=0, prev_rows=0, seconds=0.0):
+            self.seen.append(seconds)
+            super().update(key, proposed, accepted, rows, prev_rows, seconds)
+
+    _layouts_or_skip()
+    cfg = SpecConfig(k=3, fixed_rows=True, cap=24, threads=1)
+    runner = Runner(model, None, cfg, draft="ngram:1-8")
+    lookups, slow = [], 0.003
+    real = runner.drafter.propose
+
+    def propose(hist, k):
+        lookups.append(k)
+        time.sleep(slow)
+        return real(hist, k)
+
+    runner.drafter.propose = propose
+    arm = Arm.parse("C_QB")
+    t, d = runner.contexts(arm)
+    try:
+        gate = Recording(VerifyCosts(same=(0.001,) * 4, change=(0.001,) * 4), dwell=10 ** 9, start_drafting=False)
+        gate.seen = []
+        tx = Transaction(arm, t, d, cfg.k, cfg.mask, drafter=runner.drafter, k_max=cfg.k_max, fixed_rows=True, gate=gate)
+        tx.run(model.tokenize(he("HumanEval/57").text), cfg.cap)
+    finally:
+        t.close()
+    assert tx.c.proposals == 0 and len(gate.seen) == tx.c.cycles > 0 and lookups  # held plain, shadow lookups made
+    assert sum(gate.seen) >= tx.c.t_verify + slow * len(lookups)
+
+
+@pytest.mark.model
 @pytest.mark.parametrize("dwell", [10 ** 9, 4])
 def test_the_plain_regime_runs_as_r_steps_with_the_same_counts(model, he, monkeypatch, dwell):
     """A shadow gate's plain regime runs as one loop of R's step (Transaction._plain_run), its
