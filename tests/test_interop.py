@@ -369,7 +369,8 @@ def test_llama_state_to_capture_equals_statelab_capture(model, base_config, arms
 @pytest.mark.model
 def test_llama_state_without_logits_all_has_no_state_logits(model, base_config, arms):
     """Without logits_all llama-cpp-python never writes its scores: the saved row is uninitialised
-    (zeros), so logits='state' is refused instead of starting the continuation from token 0."""
+    memory (zeros, or what an earlier request left there), so logits='state' is refused instead
+    of starting the continuation from it."""
     from statelab.lab.interop import InteropError, capture_from_llama_state
 
     p, got = arms
@@ -379,7 +380,27 @@ def test_llama_state_without_logits_all_has_no_state_logits(model, base_config, 
         state = llm.save_state()
     finally:
         llm.close()
-    with pytest.raises(InteropError, match="no usable logits"):
+    with pytest.raises(InteropError, match="no usable logits|not its state's"):
+        capture_from_llama_state(state, model, base_config, prompt=p, logits="state", source_backend="cpu")
+
+
+@pytest.mark.model
+def test_llama_state_logits_of_another_position_are_refused(model, base_config, arms):
+    """Scores that are real logits but not the state's own (what an unwritten row can hold when
+    the memory had another request's scores) are refused: the last row replaced by the row
+    before it differs from the recipient's re-evaluation by far more than batch geometry does."""
+    from statelab.lab.interop import InteropError, capture_from_llama_state
+
+    p, got = arms
+    llm = _llama(model, logits_all=True)
+    try:
+        llm.eval(got["A"][0].tokens.tolist())
+        state = llm.save_state()
+    finally:
+        llm.close()
+    n = state.n_tokens
+    state.scores[n - 1] = state.scores[n - 2]
+    with pytest.raises(InteropError, match="not its state's"):
         capture_from_llama_state(state, model, base_config, prompt=p, logits="state", source_backend="cpu")
 
 

@@ -458,6 +458,25 @@ def _source_logits(inc: Incoming, logits: str, n_vocab: int) -> np.ndarray | Non
     return lg
 
 
+CARRIED_TOLERANCE = 0.1  # of the recomputed row's range (see check_carried_logits)
+
+
+def check_carried_logits(carried: np.ndarray, recomputed: np.ndarray, source: str) -> None:
+    """Refuse carried logits that are not the state's own: ``Llama(logits_all=False)`` never
+    writes its scores, so the saved row is whatever the memory held (zeros, or another
+    request's logits).  The state's KV, restored in the recipient, gives the last token's logits
+    again (one-row decode): a row the state carries may differ from it by what batch geometry
+    changes, not by more than ``CARRIED_TOLERANCE`` of its range.  SmolLM2 on CPU, HumanEval/2:
+    the state's own row (one 512-row submission) is 1.6 % of the range from the re-evaluation,
+    the row of the position before it 48 % (tests/test_interop.py)."""
+    span = float(np.ptp(recomputed))
+    gap = float(np.max(np.abs(carried - recomputed)))
+    if not gap <= CARRIED_TOLERANCE * span:
+        raise InteropError(f"{source}: the logits it carries are not its state's (they differ from the recipient's "
+                           f"re-evaluation of the last token by {gap:.3g}, {gap / span:.1%} of the range; a Llama made "
+                           "without logits_all=True keeps none): use logits='recompute' or 'none'")
+
+
 def attention_for_state(st: KVState, flash_attn: bool | None, source: str) -> bool:
     """The recipient's attention mode for a state: llama.cpp stores V untransposed exactly when
     flash attention is on (``v_trans = !flash_attn``), so the state decides; ``flash_attn``
@@ -528,7 +547,8 @@ _LOGITS_HOW = {
     "none": {"source": "absent", "note": "the file holds no logits; import again with logits recomputed to continue"},
     "recompute": {"source": "recomputed", "how": "the imported cells 0..n-2 restored in a fresh recipient context "
                   "(see 'recipient'), the last token decoded alone at position n-1 (one-row decode)"},
-    "state": {"source": "carried by the source state (the last row of its scores)"},
+    "state": {"source": "carried by the source state (the last row of its scores)",
+              "checked": f"within {CARRIED_TOLERANCE:g} of the range of the recipient's one-row re-evaluation"},
 }
 IMPORTED = "Imported"  # the schedule name of an imported state whose formation is unknown
 _UNKNOWN = ["backend", "device", "build", "schedule (prompt submissions and ubatch)", "context parameters"]
@@ -564,7 +584,9 @@ def import_incoming(inc: Incoming, model, config, *, prompt=None, logits: str = 
         config = context_config_for(schedule, config)
     config = _recipient_config(st, config, len(tokens), inc.source, flash_attn)
     blob = _blob_of(st)
-    recomputed = restore_in_recipient(model, config, blob, tokens, inc.source, lg is None)
+    recomputed = restore_in_recipient(model, config, blob, tokens, inc.source, logits != "none")
+    if lg is not None and logits == "state":
+        check_carried_logits(lg, recomputed, inc.source)
     identity = imported_identity(inc, model, config, prompt, logits, source_backend)
     if after is not None:
         identity["imported"]["tokens_after_prompt"] = after
