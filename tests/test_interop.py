@@ -347,6 +347,16 @@ def _llama(model, **kw):
                            verbose=False, **kw)
 
 
+def _saved_state(model, tokens, logits_all: bool):
+    """``Llama.save_state()`` after one ``eval`` of ``tokens`` (one submission, ubatch 512: schedule A)."""
+    llm = _llama(model, logits_all=logits_all)
+    try:
+        llm.eval(tokens.tolist())
+        return llm.save_state()
+    finally:
+        llm.close()
+
+
 @pytest.mark.model
 def test_llama_state_to_capture_equals_statelab_capture(model, base_config, arms):
     from statelab.lab.interop import capture_from_llama_state
@@ -354,12 +364,7 @@ def test_llama_state_to_capture_equals_statelab_capture(model, base_config, arms
 
     p, got = arms
     cap_a, nat_a = got["A"]
-    llm = _llama(model, logits_all=True)
-    try:
-        llm.eval(cap_a.tokens.tolist())  # one submission of the whole prompt, ubatch 512: schedule A
-        state = llm.save_state()
-    finally:
-        llm.close()
+    state = _saved_state(model, cap_a.tokens, logits_all=True)
     imp = capture_from_llama_state(state, model, base_config, prompt=p, logits="state", source_backend="cpu")
     assert imp.blob == cap_a.blob
     ep = import_and_continue(model, base_config, imp.blob, imp.logits, imp.n_prompt, CAP)
@@ -374,12 +379,7 @@ def test_llama_state_without_logits_all_has_no_state_logits(model, base_config, 
     from statelab.lab.interop import InteropError, capture_from_llama_state
 
     p, got = arms
-    llm = _llama(model, logits_all=False)
-    try:
-        llm.eval(got["A"][0].tokens.tolist())
-        state = llm.save_state()
-    finally:
-        llm.close()
+    state = _saved_state(model, got["A"][0].tokens, logits_all=False)
     with pytest.raises(InteropError, match="no usable logits|not its state's"):
         capture_from_llama_state(state, model, base_config, prompt=p, logits="state", source_backend="cpu")
 
@@ -392,12 +392,7 @@ def test_llama_state_logits_of_another_position_are_refused(model, base_config, 
     from statelab.lab.interop import InteropError, capture_from_llama_state
 
     p, got = arms
-    llm = _llama(model, logits_all=True)
-    try:
-        llm.eval(got["A"][0].tokens.tolist())
-        state = llm.save_state()
-    finally:
-        llm.close()
+    state = _saved_state(model, got["A"][0].tokens, logits_all=True)
     n = state.n_tokens
     state.scores[n - 1] = state.scores[n - 2]
     with pytest.raises(InteropError, match="not its state's"):
