@@ -342,8 +342,9 @@ class Transaction:
         ``n_max`` tokens; a cycle whose plan is not one row (the gate turned while choosing) is
         left to the general cycle, which asks the drafter again (a model-free drafter's
         proposal depends on the history alone; both lookups count in ``t_draft``, as both ran).
-        The tokens, calls, rows and counters are those of the general cycle with no proposal; its per-cycle host work (verify plan, numpy
-        bookkeeping, rollback check) is what this saves.  Returns the tokens committed."""
+        The tokens, calls, rows and counters are those of the general cycle with no proposal;
+        its per-cycle host work (verify plan, numpy bookkeeping, rollback check) is what this
+        saves.  Returns the tokens committed."""
         model, c, gate, kp = self.t.model, self.c, self.gate, self.kpolicy
         rows_fixed = kp.k_max + 1 if self.fixed_rows else None
         tok, pos = int(hist[L - 1]), L - 1
