@@ -461,20 +461,22 @@ def _source_logits(inc: Incoming, logits: str, n_vocab: int) -> np.ndarray | Non
 CARRIED_TOLERANCE = 0.1  # of the recomputed row's range (see check_carried_logits)
 
 
-def check_carried_logits(carried: np.ndarray, recomputed: np.ndarray, source: str) -> None:
+def check_carried_logits(carried: np.ndarray, recomputed: np.ndarray, source: str) -> float:
     """Refuse carried logits that are not the state's own: ``Llama(logits_all=False)`` never
     writes its scores, so the saved row is whatever the memory held (zeros, or another
     request's logits).  The state's KV, restored in the recipient, gives the last token's logits
     again (one-row decode): a row the state carries may differ from it by what batch geometry
     changes, not by more than ``CARRIED_TOLERANCE`` of its range.  SmolLM2 on CPU, HumanEval/2:
     the state's own row (one 512-row submission) is 1.6 % of the range from the re-evaluation,
-    the row of the position before it 48 % (tests/test_interop.py)."""
+    the row of the position before it 48 % (tests/test_interop.py).  Returns the gap as a share
+    of the range, which the capture's identity records (``logits.gap_of_range``)."""
     span = float(np.ptp(recomputed))
     gap = float(np.max(np.abs(carried - recomputed)))
     if not gap <= CARRIED_TOLERANCE * span:
         raise InteropError(f"{source}: the logits it carries are not its state's (they differ from the recipient's "
                            f"re-evaluation of the last token by {gap:.3g}, {gap / span:.1%} of the range; a Llama made "
                            "without logits_all=True keeps none): use logits='recompute' or 'none'")
+    return gap / span
 
 
 def attention_for_state(st: KVState, flash_attn: bool | None, source: str) -> bool:
@@ -585,9 +587,9 @@ def import_incoming(inc: Incoming, model, config, *, prompt=None, logits: str = 
     config = _recipient_config(st, config, len(tokens), inc.source, flash_attn)
     blob = _blob_of(st)
     recomputed = restore_in_recipient(model, config, blob, tokens, inc.source, logits != "none")
-    if lg is not None and logits == "state":
-        check_carried_logits(lg, recomputed, inc.source)
     identity = imported_identity(inc, model, config, prompt, logits, source_backend)
+    if lg is not None and logits == "state":
+        identity["logits"] = dict(identity["logits"], gap_of_range=check_carried_logits(lg, recomputed, inc.source))
     if after is not None:
         identity["imported"]["tokens_after_prompt"] = after
     if prompt is not None:
