@@ -86,3 +86,5 @@ def test_the_bound_on_the_h100_records_prices_no_gate_as_measured():
     assert fig["bound"] >= max(fig["measured"], fig["nogate, priced"], fig["plain only"])
     # the code's gate replayed at the same prices is one schedule among those the bound ranges over
     assert fig["nogate, priced"] < fig["shadow gate, replayed"] <= fig["bound"]
+    # the continuation alone: R's one-token prefill left out, so below the request-time figures
+    assert fig["measured, continuation only"] < fig["measured"] and fig["bound, continuation only"] < fig["bound"]
