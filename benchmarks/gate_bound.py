@@ -37,7 +37,7 @@ from statelab.speculative.drafters import GATES, NgramDrafter, check_gate, resol
 from statelab.speculative.transaction import AdaptiveK
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gate_offline import CostTable, replay  # noqa: E402  (the simulator's loop: the code's gate, cycle by cycle)
+from gate_offline import CostTable, accepted, replay  # noqa: E402  (the simulator's loop: the code's gate, cycle by cycle)
 
 
 def load_run(folder: str) -> tuple[CampaignSpec, list[dict], list[dict]]:
@@ -66,9 +66,7 @@ def accepted_runs(prompt: np.ndarray, out: np.ndarray, drafter: NgramDrafter, k:
     drafter.start(prompt)
     for n in range(1, len(out)):
         props = drafter.propose(hist[:n0 + n], min(k, cap - n))
-        want = out[n:n + len(props)]
-        agree = props[:len(want)] == want
-        a[n] = len(want) if agree.all() else int(np.argmin(agree))
+        a[n] = accepted(props, out[n:n + len(props)])
     return a
 
 
@@ -195,7 +193,9 @@ def main():
             f["R's prefill (share of its request)"].append(1.0 - r["t_cycle"] / r["seconds"])
             f["first token accepted (share of positions)"].append(float(np.sum(acc[1:] > 0)) / max(len(acc) - 1, 1))
 
-    figs = [f for f in next(iter(rows.values())) if not f.endswith(")")]
+    stats = {"tokens/call (bound)", "drafting share (bound)", "R's prefill (share of its request)",
+             "first token accepted (share of positions)"}  # per-prompt figures that are not R/C_QB ratios
+    figs = [f for f in next(iter(rows.values())) if f not in stats]
     keys = list(rows)
     print(f"{a.run}: {len(keys)} prompts, {len(sessions)} sessions, {spec.draft}, k {k}, cap {cfg.cap}; prices per cycle: "
           f"plain {1e3 * plain:.3f} ms ({plain / r_step:.3f}x R's step of {1e3 * r_step:.3f}), drafting {1e3 * draft:.3f} ms, "

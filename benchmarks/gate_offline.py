@@ -83,6 +83,13 @@ class Cycles:
     seconds: float = 0.0
 
 
+def accepted(props: np.ndarray, want: np.ndarray) -> int:
+    """How many of ``props`` agree with ``want`` (the target's choices) before the first
+    disagreement; a proposal past ``want``'s end counts as rejected there."""
+    agree = props[:len(want)] == want
+    return len(want) if agree.all() else int(np.argmin(agree))
+
+
 def replay(prompt: np.ndarray, out: np.ndarray, drafter: NgramDrafter, kp: AdaptiveK, gate,
            table: CostTable, rows_fixed: int | None, cap: int) -> Cycles:
     """The cycles of one request when the target's greedy choices are `out` (its first token
@@ -101,9 +108,7 @@ def replay(prompt: np.ndarray, out: np.ndarray, drafter: NgramDrafter, kp: Adapt
         c.seconds += seconds
         c.calls, c.rows, c.changes = c.calls + 1, c.rows + rows, c.changes + (rows != prev)
         before, prev = prev, rows
-        want = out[n:n + p]  # a proposal past the request's end counts as rejected there
-        agree = props[:len(want)] == want
-        m = len(want) if agree.all() else int(np.argmin(agree))
+        m = accepted(props, out[n:n + p])
         kp.update(p, m)
         if gate is not None:
             gate.update(key, p, m, rows, before, seconds)
