@@ -43,6 +43,8 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
              k: int = typer.Option(3, help="draft proposals per cycle"),
              k_max: Optional[int] = KMaxOpt, fixed_rows: bool = FixedRowsOpt,
              ubatch: int = typer.Option(0, help="target ubatch (0: k_max+1, one micrograph per verify)"),
+             graph_keep: int = typer.Option(4, help="graphs of earlier shapes each target context keeps "
+                                                    "(native patch 0008; 0: llama.cpp rebuilds on every change of shape)"),
              mask: int = typer.Option(3, help="phase mask 0..15 (1 target prefill, 2 target continuation, 4 draft "
                                               "prefill, 8 draft continuation)"),
              cap: int = CapOpt, model: Optional[Path] = ModelOpt, draft: str = DraftOpt, backend: str = BackendOpt,
@@ -58,7 +60,7 @@ def spec_run(prompt: Optional[str] = PromptOpt, humaneval: Optional[str] = Human
     gate_name = check_gate(gate_kind or gate)  # an unknown kind is refused before any model loads
     names = [a.strip() for a in arms.split(",") if a.strip()]
     cfg = SpecConfig(k=k, ubatch=ubatch, mask=mask, cap=cap, backend=backend, threads=threads, k_max=k_max,
-                     fixed_rows=fixed_rows)
+                     fixed_rows=fixed_rows, graph_keep=graph_keep)
     p = prompt_of(prompt, humaneval, prompt_file)
     results, need_draft = run_arms(model, draft, p, names, cfg, refused=lambda a, why: err.print(f"{a}: {why}; not run"),
                                    gate=gate_name or False, warmup=warmup)

@@ -50,6 +50,7 @@ class CampaignSpec:
     draft: str | None = "self"  # a drafter text (speculative.drafters.KINDS), e.g. "ngram:1-8+session"
     k_max: int | None = None  # adaptive k within [1, k_max]
     fixed_rows: bool = False  # every verify submits k_max + 1 rows (one graph shape)
+    graph_keep: int = 4  # graphs of earlier shapes a target context keeps (patch 0008; 0: rebuild on a change)
     gate: bool | str = False  # a proposal gate over verify costs calibrated per session: "gain" (true) or "shadow"
     groups: dict = field(default_factory=dict)  # tag -> prompt specs (default: HumanEval code, chat prose)
     ratios: list[list[str]] = field(default_factory=lambda: [list(r) for r in DEFAULT_RATIOS])
@@ -93,7 +94,7 @@ class CampaignSpec:
 
         types = {"prompts": list, "arms": list, "sessions": int, "repeats": int, "k": int, "ubatch": int, "mask": int,
                  "cap": int, "n_ctx": int, "backend": str, "threads": int, "model": (str, type(None)),
-                 "draft": (str, type(None)), "k_max": (int, type(None)), "fixed_rows": bool, "gate": (bool, str),
+                 "draft": (str, type(None)), "k_max": (int, type(None)), "fixed_rows": bool, "graph_keep": int, "gate": (bool, str),
                  "groups": dict, "ratios": list,
                  "threshold": (int, float), "seed": int, "resamples": int}
         for name, want in types.items():
@@ -124,7 +125,8 @@ class CampaignSpec:
     def spec_config(self) -> SpecConfig:
         return SpecConfig(k=self.k, ubatch=self.ubatch, mask=self.mask, cap=self.cap, n_ctx=self.n_ctx,
                           backend=self.backend,
-                          threads=self.threads, k_max=self.k_max, fixed_rows=self.fixed_rows)
+                          threads=self.threads, k_max=self.k_max, fixed_rows=self.fixed_rows,
+                          graph_keep=self.graph_keep)
 
     def prompt_table(self) -> list[tuple[str, str]]:
         """(spec string, prompt key) in the spec's order."""

@@ -55,6 +55,9 @@ ROW_INVARIANT_KERNELS_VERSION = 1  # LLAMA_STATELAB_ROW_INVARIANT_KERNELS_VERSIO
 QB_COLUMNS_VERSION = 2  # the same version function: the QB attention products as one launch (patch 0006)
 VULKAN_QB_VERSION = 1  # LLAMA_STATELAB_VULKAN_QB_VERSION
 VULKAN_QB_PATCH = "0007-vulkan-qb-attention.patch"
+GRAPH_KEEP_VERSION = 1  # LLAMA_STATELAB_GRAPH_KEEP_VERSION (graphs kept per ubatch shape, patch 0008)
+GRAPH_KEEP_MAX = 8  # LLAMA_STATELAB_GRAPH_KEEP_MAX
+GRAPH_KEEP_PATCH = "0008-graph-keep.patch"
 REPAIR_SUFFIX = "+W"
 MAX_QUERIES_LIMIT = 16  # LLAMA_STATELAB_MAX_QUERIES_LIMIT
 
@@ -264,11 +267,16 @@ _SIGNATURES = {
     "llama_statelab_set_row_invariant_kernels": ([_vp, _i32], _i32),
     "llama_statelab_get_row_invariant_kernels": ([_vp], _i32),
     "llama_statelab_vulkan_qb_version": ([], _i32),
+    "llama_statelab_graph_keep_version": ([], _i32),
+    "llama_statelab_set_graph_keep": ([_vp, _i32], _i32),
+    "llama_statelab_get_graph_keep": ([_vp], _i32),
+    "llama_statelab_get_graph_revivals": ([_vp], _u64),
 }
 _PATCH_OF = {name: "0003-row-invariant-weight-products.patch" for name in _SIGNATURES if "weight" in name}
 _PATCH_OF["llama_statelab_get_state_copies"] = "0004-state-copies-2d.patch"
 _PATCH_OF.update({name: "0005-row-invariant-kernels.patch" for name in _SIGNATURES if "row_invariant" in name})
 _PATCH_OF["llama_statelab_vulkan_qb_version"] = VULKAN_QB_PATCH
+_PATCH_OF.update({name: GRAPH_KEEP_PATCH for name in _SIGNATURES if "graph_" in name})
 _fns: dict[str, object] = {}
 
 
@@ -383,6 +391,39 @@ def vulkan_qb_available() -> bool:
     return _patch_at("llama_statelab_vulkan_qb_version", VULKAN_QB_VERSION)
 
 
+def graph_keep_available() -> bool:
+    """True when the loaded libllama keeps graphs per ubatch shape on request (patch 0008)."""
+    return _patch_at("llama_statelab_graph_keep_version", GRAPH_KEEP_VERSION)
+
+
+def check_graph_keep(n) -> int:
+    """The number of graphs to keep besides the previous one: an integer in 0..GRAPH_KEEP_MAX."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= GRAPH_KEEP_MAX:
+        raise ConfigError(f"graphs kept must be an integer from 0 to {GRAPH_KEEP_MAX}, got {n!r}")
+    return n
+
+
+def set_graph_keep(ctx, n: int) -> bool:
+    """Keep up to ``n`` graphs of earlier ubatch shapes in ctx besides the previous one (0: llama.cpp's
+    own reuse of the previous graph only), so that a loop alternating shapes (a 1-row decode, a k+1-row
+    verify) revives a graph instead of rebuilding it; on CUDA each kept graph keeps its own CUDA graph.
+    The graphs computed are the ones a rebuild would build. Returns False (nothing set) on a library
+    without patch 0008, where every change of shape rebuilds."""
+    check_graph_keep(n)
+    _require()
+    if not graph_keep_available():
+        return False
+    if _fn("llama_statelab_set_graph_keep")(_ptr(ctx), n) != 0:
+        raise LayoutError(f"llama.cpp rejected {n} kept graphs")
+    return True
+
+
+def get_graph_keep(ctx) -> int:
+    """Graphs ctx keeps besides the previous one (0 without patch 0008)."""
+    _require()
+    return int(_fn("llama_statelab_get_graph_keep")(_ptr(ctx))) if graph_keep_available() else 0
+
+
 def patch_refusal(layout: str, backend: str) -> str | None:
     """Why this build cannot run ``layout``'s attention on ``backend``'s device, or None: QB (and
     QB+W) on Vulkan without patch 0007. One line, for the callers' refusals."""
@@ -485,12 +526,14 @@ def last_admission(ctx) -> Admission:
 
 def counters(ctx) -> dict[str, int]:
     """graph_builds / graph_reuses in llama_decode's graph-reuse path; ubatches = micrographs computed;
-    with the weight-repair patch also weight_products (computed row by row) and weight_row_products
+    with patch 0008 graph_revivals (reuses that revived a kept graph of another shape); with the weight-repair patch also weight_products (computed row by row) and weight_row_products
     (the 1-row products they consisted of)."""
     _require()
     b, r, u = _u64(0), _u64(0), _u64(0)
     _fn("llama_statelab_get_counters")(_ptr(ctx), ctypes.byref(b), ctypes.byref(r), ctypes.byref(u))
     out = {"graph_builds": int(b.value), "graph_reuses": int(r.value), "ubatches": int(u.value)}
+    if graph_keep_available():  # revivals of kept graphs, also counted in graph_reuses
+        out["graph_revivals"] = int(_fn("llama_statelab_get_graph_revivals")(_ptr(ctx)))
     if weight_repair_available():
         wp, wr = _u64(0), _u64(0)
         _fn("llama_statelab_get_weight_counters")(_ptr(ctx), ctypes.byref(wp), ctypes.byref(wr))

@@ -126,6 +126,7 @@ class Counters:
     committed: int = 0  # output tokens committed by the continuation (the first comes from the prefill)
     graph_builds: int = 0  # target graphs built / reused by llama.cpp during the continuation
     graph_reuses: int = 0  # (-1 when the layout patch, which counts them, is absent)
+    graph_revivals: int = 0  # of those reuses, kept graphs of another shape revived (patch 0008; -1 without)
     # seconds of the continuation (t_cycle) and where they went; the rest is Python around them
     t_cycle: float = 0.0
     t_draft: float = 0.0
@@ -195,12 +196,12 @@ class AdaptiveK:
 def _graph_counter(ctx):
     """Start counting the graph builds and reuses of ctx; the returned function reads them."""
     if not layouts.available():
-        return lambda: (-1, -1)
+        return lambda: (-1, -1, -1)
     layouts.reset_counters(ctx)
 
-    def read() -> tuple[int, int]:
+    def read() -> tuple[int, int, int]:
         n = layouts.counters(ctx)
-        return n["graph_builds"], n["graph_reuses"]
+        return n["graph_builds"], n["graph_reuses"], n.get("graph_revivals", -1)
     return read
 
 
@@ -474,7 +475,7 @@ class Transaction:
             L += keep
             c.committed += keep
         c.t_cycle += time.perf_counter() - t_start
-        c.graph_builds, c.graph_reuses = graphs()
+        c.graph_builds, c.graph_reuses, c.graph_revivals = graphs()
         out = hist[n0:L].copy()
         eog = model.is_eog(int(out[-1]))
         return Endpoint(out, eog, "eog" if eog else "cap")
@@ -516,8 +517,10 @@ class SpecConfig:
     max_queries: int = 0  # largest query count QB/PQ admit; 0: the target ubatch
     k_max: int | None = None  # adaptive k within [1, k_max] (None: k fixed)
     fixed_rows: bool = False  # verify always submits k_max + 1 rows (one graph shape, reused)
+    graph_keep: int = 4  # graphs of earlier shapes each target context keeps (patch 0008; 0: rebuild on a change)
 
     def __post_init__(self):
+        layouts.check_graph_keep(self.graph_keep)
         check_tokens("k", self.k)
         if self.k_max is not None:
             check_tokens("k_max", self.k_max)
@@ -604,6 +607,8 @@ class Runner:
         t = Context(self.tm, tcfg)
         if arm.layout.needs_patch:
             layouts.set_max_queries(t, c.queries)
+        if c.graph_keep and layouts.available():
+            layouts.set_graph_keep(t, c.graph_keep)
         d = None
         if arm.draft and (self.drafter is None or self.drafter.needs_model):
             if self.dm is None:
