@@ -420,7 +420,7 @@ def report_markdown(spec: CampaignSpec, records: list[dict], rows: list[dict], p
 
 
 ANALYSIS_FIELDS = ("ratios", "threshold", "seed", "resamples", "groups")  # change the report, not a block
-LATER_FIELDS = {"gate": False, "n_ctx": 1024}  # fields added later: at their default they leave older campaigns' hashes as they were
+LATER_FIELDS = {"gate": False, "n_ctx": 1024, "graph_keep": 0}  # fields added later: at their default they leave older campaigns' hashes as they were
 
 
 SPEC_FORMAT = "statelab.campaign-spec/1"  # OUT/spec.json of a campaign folder
